@@ -1,0 +1,66 @@
+"""The coordinator's configuration: built once in main() from flags (with env defaults)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    host: str = "127.0.0.1"
+    port: int = 50050
+    target_address: str = "127.0.0.1:50052"
+    draft_address: str = "127.0.0.1:50051"  # empty: no draft worker (n-gram or K = 0 only)
+    redis_url: str = ""
+    tokenizer: str = "smollm2"
+    num_speculative_tokens: int = 5
+    max_new_tokens: int = 256
+    session_ttl_s: int = 86400
+    target_retry_s: float = 30.0
+    draft_retry_s: float = 2.0
+    startup_timeout_s: float = 600.0
+    max_workers: int = 32
+    log_level: str = "info"
+
+    def __post_init__(self):
+        if not self.redis_url:
+            raise ValueError("redis_url is required (--redis-url or REDIS_URL); `specdec up` starts one for you")
+        if not 0 <= self.num_speculative_tokens <= 32:
+            raise ValueError("num_speculative_tokens must be in 0..32")
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> CoordinatorConfig:
+        env = os.environ.get
+        p = argparse.ArgumentParser(prog="specdec coordinator",
+                                    description="Run the coordinator (public Generation API, speculative loop).")
+        p.add_argument("--host", default=env("SPECDEC_HOST", cls.host))
+        p.add_argument("--port", type=int, default=int(env("SPECDEC_PORT", cls.port)))
+        p.add_argument("--target", default=env("SPECDEC_TARGET_ADDRESS", cls.target_address),
+                       help="host:port of the target worker")
+        p.add_argument("--draft", default=env("SPECDEC_DRAFT_ADDRESS", cls.draft_address),
+                       help="host:port of the draft worker ('' for none)")
+        p.add_argument("--redis-url", default=env("REDIS_URL", ""),
+                       help="redis://[:password@]host:port/db, rediss:// for TLS, or unix:///path")
+        p.add_argument("--tokenizer", default=env("SPECDEC_TOKENIZER", cls.tokenizer),
+                       help="model reference whose tokenizer to use (the target's)")
+        p.add_argument("--num-speculative-tokens", "-k", type=int, default=cls.num_speculative_tokens,
+                       help="default K (draft tokens per round)")
+        p.add_argument("--max-new-tokens", type=int, default=cls.max_new_tokens, help="default max_new_tokens")
+        p.add_argument("--session-ttl", type=int, default=cls.session_ttl_s,
+                       help="seconds an idle session is kept in Redis")
+        p.add_argument("--target-retry", type=float, default=cls.target_retry_s,
+                       help="seconds to keep retrying an unavailable target before UNAVAILABLE")
+        p.add_argument("--draft-retry", type=float, default=cls.draft_retry_s,
+                       help="seconds to keep retrying an unavailable draft before decoding without it")
+        p.add_argument("--startup-timeout", type=float, default=cls.startup_timeout_s,
+                       help="seconds to wait for the target worker at start-up")
+        p.add_argument("--max-workers", type=int, default=cls.max_workers, help="gRPC handler threads")
+        p.add_argument("--log-level", default=env("SPECDEC_LOG_LEVEL", cls.log_level))
+        a = p.parse_args(argv)
+        return cls(a.host, a.port, a.target, a.draft, a.redis_url, a.tokenizer, a.num_speculative_tokens,
+                   a.max_new_tokens, a.session_ttl, a.target_retry, a.draft_retry, a.startup_timeout,
+                   a.max_workers, a.log_level)

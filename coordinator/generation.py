@@ -1,0 +1,249 @@
+"""A generation request from validation to the last streamed chunk.
+
+Committed tokens reach Redis before the client sees them: every round is committed (one atomic
+compare-and-set) and only then yielded. A crash anywhere loses no acknowledged output, and any
+coordinator can continue the session from Redis.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from coordinator.adaptive import AdaptiveK
+from coordinator.loop import Proposer, Verifier, run_round
+from coordinator.sessions import Session, SessionStore
+from coordinator.text import OutputText, TextCodec
+from specdec_core.errors import InvalidArgument, ResourceExhausted
+from specdec_core.sampling import SamplingConfig, validate_sampling
+
+log = logging.getLogger(__name__)
+
+MAX_K = 32
+ROLES = ("system", "user", "assistant")
+
+
+class Method(enum.Enum):
+    DEFAULT = "default"
+    MODEL = "model"
+    NGRAM = "ngram"
+    NONE = "none"
+
+
+class Finish(enum.Enum):
+    LENGTH = "length"
+    STOP_TOKEN = "stop_token"
+    STOP_STRING = "stop_string"
+    CONTEXT = "context"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    token_ids: list[int] | None = None
+    sampling: SamplingConfig = SamplingConfig()
+    seed: int | None = None
+    max_new_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    method: Method = Method.DEFAULT
+    num_speculative_tokens: int | None = None
+    adaptive: bool = False
+    session_id: str = ""
+
+
+@dataclass
+class RequestStats:
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    wall_ms: float = 0.0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    last_k: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+
+@dataclass(frozen=True)
+class Chunk:
+    session_id: str
+    text: str
+    token_ids: list[int]
+    finish: Finish | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    session_tokens: int = 0
+    stats: RequestStats | None = None
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    max_context: int
+    default_max_new_tokens: int
+    default_k: int
+
+
+class Generation:
+    def __init__(self, store: SessionStore, codec: TextCodec, proposer: Proposer | None, ngram: Proposer,
+                 verifier: Verifier, limits: Limits):
+        self.store = store
+        self.codec = codec
+        self.proposer = proposer
+        self.ngram = ngram
+        self.verifier = verifier
+        self.limits = limits
+
+    def run(self, req: GenerationRequest) -> Iterator[Chunk]:
+        self._validate(req)
+        session = self.store.load(req.session_id) if req.session_id else self.store.new(req.seed)
+        lease = self.store.acquire(session.session_id)
+        try:
+            yield from self._run(req, session)
+        finally:
+            self.store.release(session.session_id, lease)
+
+    def _run(self, req: GenerationRequest, session: Session) -> Iterator[Chunk]:
+        started = time.perf_counter()
+        input_ids = self._input_ids(req, session)
+        room = self.limits.max_context - len(session.token_ids) - len(input_ids)
+        if room < 1:
+            raise ResourceExhausted(
+                f"input: the session would hold {len(session.token_ids) + len(input_ids)} tokens, "
+                f"the model's context is {self.limits.max_context}"
+            )
+        if req.max_new_tokens is not None and req.max_new_tokens > room:
+            raise InvalidArgument("max_new_tokens", f"{req.max_new_tokens} exceeds the {room} tokens left in the context")
+        max_new = req.max_new_tokens or min(self.limits.default_max_new_tokens, room)
+        if req.seed is not None:
+            session.seed = req.seed
+        session.sampling = {"temperature": req.sampling.temperature, "top_k": req.sampling.top_k,
+                            "top_p": req.sampling.top_p}
+        if req.messages is not None:
+            session.messages += [*req.messages, {"role": "assistant", "content": ""}]
+        session.stats.requests += 1
+        self.store.commit(session, input_ids)
+
+        proposer, k_fixed = self._drafting(req)
+        adaptive = AdaptiveK(max_k=k_fixed or self.limits.default_k) if req.adaptive and proposer else None
+        stop_ids = self.codec.eos_ids | set(req.stop_token_ids)
+        out = OutputText(self.codec, req.stop)
+        stats = RequestStats()
+        generated = 0
+        while True:
+            remaining = max_new - generated
+            k = adaptive.next_k() if adaptive else k_fixed
+            k = max(0, min(k, remaining - 1, self.limits.max_context - len(session.token_ids) - 1))
+            rnd = run_round(session.session_id, session.token_ids, k, req.sampling, session.seed, proposer,
+                            self.verifier)
+            if adaptive:
+                adaptive.observe(rnd.num_drafted, rnd.num_accepted, rnd.draft_ms, rnd.verify_ms)
+            new_ids, finish = self._cut(rnd.new_ids, remaining, stop_ids)
+            text, keep = out.add(new_ids)
+            if keep is not None:
+                new_ids, finish = new_ids[:keep], Finish.STOP_STRING
+            generated += len(new_ids)
+            if finish is None and generated >= max_new:
+                finish = Finish.LENGTH
+            if finish is None and len(session.token_ids) + len(new_ids) >= self.limits.max_context:
+                finish = Finish.CONTEXT
+            stats.rounds += 1
+            stats.drafted += rnd.num_drafted
+            stats.accepted += rnd.num_accepted
+            stats.draft_ms += rnd.draft_ms
+            stats.verify_ms += rnd.verify_ms
+            stats.last_k = k
+            stats.wall_ms = (time.perf_counter() - started) * 1e3
+            self._account(session, rnd, len(new_ids), out.text if req.messages is not None else None)
+            if finish is not None:
+                text += out.flush()
+                session.stats.wall_ms += stats.wall_ms
+            self.store.commit(session, new_ids)  # before the client sees them
+            self.store.renew(session.session_id)
+            if finish is None:
+                yield Chunk(session.session_id, text, new_ids)
+                continue
+            yield Chunk(session.session_id, text, new_ids, finish, len(input_ids), generated,
+                        len(session.token_ids), stats)
+            return
+
+    @staticmethod
+    def _cut(new_ids: list[int], remaining: int, stop_ids: set[int]) -> tuple[list[int], Finish | None]:
+        new_ids = new_ids[:remaining]
+        for j, token in enumerate(new_ids):
+            if token in stop_ids:
+                return new_ids[:j + 1], Finish.STOP_TOKEN
+        return new_ids, None
+
+    @staticmethod
+    def _account(session: Session, rnd, num_new: int, assistant_text: str | None) -> None:
+        s = session.stats
+        s.rounds += 1
+        s.drafted += rnd.num_drafted
+        s.accepted += rnd.num_accepted
+        s.generated += num_new
+        s.draft_ms += rnd.draft_ms
+        s.verify_ms += rnd.verify_ms
+        if assistant_text is not None:
+            session.messages[-1]["content"] = assistant_text
+
+    def _drafting(self, req: GenerationRequest) -> tuple[Proposer | None, int]:
+        k = self.limits.default_k if req.num_speculative_tokens is None else req.num_speculative_tokens
+        if req.method == Method.NONE or k == 0:
+            return None, 0
+        if req.method == Method.NGRAM:
+            return self.ngram, k
+        return self.proposer, k if self.proposer is not None else 0
+
+    def _input_ids(self, req: GenerationRequest, session: Session) -> list[int]:
+        if req.token_ids is not None:
+            return list(req.token_ids)
+        if req.prompt is not None:
+            return self.codec.encode_prompt(req.prompt, is_first_turn=not session.token_ids)
+        return self.codec.encode_chat(session.token_ids, session.messages, req.messages)
+
+    def _validate(self, req: GenerationRequest) -> None:
+        given = [x for x in (req.prompt, req.messages, req.token_ids) if x is not None]
+        if not given:
+            raise InvalidArgument("input", "one of prompt, messages or token_ids is required")
+        if req.prompt is not None and not req.prompt:
+            raise InvalidArgument("prompt", "must not be empty")
+        if req.messages is not None:
+            if not req.messages:
+                raise InvalidArgument("messages", "must not be empty")
+            if not self.codec.has_chat_template:
+                raise InvalidArgument("messages", f"the tokenizer {self.codec.name} has no chat template")
+            for i, m in enumerate(req.messages):
+                if m["role"] not in ROLES:
+                    raise InvalidArgument(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}")
+        if req.token_ids is not None:
+            if not req.token_ids:
+                raise InvalidArgument("token_ids", "must not be empty")
+            self._check_ids("token_ids", req.token_ids)
+        self._check_ids("stop_token_ids", req.stop_token_ids)
+        if any(not s for s in req.stop):
+            raise InvalidArgument("stop", "stop strings must not be empty")
+        validate_sampling(req.sampling)
+        if req.max_new_tokens is not None and req.max_new_tokens < 1:
+            raise InvalidArgument("max_new_tokens", f"must be >= 1, got {req.max_new_tokens}")
+        k = req.num_speculative_tokens
+        if k is not None and not 0 <= k <= MAX_K:
+            raise InvalidArgument("speculation.num_speculative_tokens", f"must be in 0..{MAX_K}, got {k}")
+        if len(req.session_id) > 128:
+            raise InvalidArgument("session_id", "must be at most 128 characters")
+
+    def _check_ids(self, name: str, ids: list[int]) -> None:
+        bad = [t for t in ids if not 0 <= t < self.limits.vocab_size]
+        if bad:
+            raise InvalidArgument(name, f"token id {bad[0]} outside the vocabulary [0, {self.limits.vocab_size})")

@@ -1,0 +1,32 @@
+"""Model-free n-gram (prompt lookup) drafting.
+
+It runs inside the coordinator: it needs nothing but the committed tokens, which the coordinator
+already holds, so doing it here costs no network round trip and no draft worker at all.
+The proposal is deterministic, i.e. its distribution is one-hot at each proposed token; that is
+what it sends when sampling, which keeps verification exact.
+"""
+
+from __future__ import annotations
+
+from coordinator.loop import Draft
+
+
+class NgramProposer:
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(self, session_id: str, committed_ids: list[int], num_tokens: int, sampling, seed: int) -> Draft:
+        tokens = lookup(committed_ids, num_tokens, self.max_ngram, self.min_ngram)
+        dists = [] if sampling.is_greedy else [([t], [1.0]) for t in tokens]
+        return Draft(tokens, dists, 0.0)
+
+
+def lookup(ids: list[int], num_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """The tokens that followed the most recent earlier occurrence of the longest trailing n-gram."""
+    for n in range(min(max_ngram, len(ids) - 1), min_ngram - 1, -1):
+        tail = ids[-n:]
+        for start in range(len(ids) - n - 1, -1, -1):
+            if ids[start:start + n] == tail:
+                return ids[start + n:start + n + num_tokens]
+    return []

@@ -1,0 +1,121 @@
+"""gRPC adapter for the public Generation API: protobuf <-> domain, nothing else."""
+
+from __future__ import annotations
+
+import logging
+
+from coordinator.generation import Chunk, Finish, Generation, GenerationRequest, Method, RequestStats
+from coordinator.sessions import SessionStats
+from specdec.v1 import generation_pb2 as pb
+from specdec.v1 import generation_pb2_grpc
+from specdec_core.errors import SpecdecError, grpc_errors
+from specdec_core.sampling import SamplingConfig
+from specdec_core.wire import sampling_from_proto, sampling_to_proto
+
+log = logging.getLogger(__name__)
+
+_METHODS = {
+    pb.DRAFT_METHOD_UNSPECIFIED: Method.DEFAULT,
+    pb.DRAFT_METHOD_MODEL: Method.MODEL,
+    pb.DRAFT_METHOD_NGRAM: Method.NGRAM,
+    pb.DRAFT_METHOD_NONE: Method.NONE,
+}
+_FINISH = {
+    Finish.LENGTH: pb.FINISH_REASON_LENGTH,
+    Finish.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
+    Finish.STOP_STRING: pb.FINISH_REASON_STOP_STRING,
+    Finish.CONTEXT: pb.FINISH_REASON_CONTEXT,
+}
+
+
+def request_from_proto(msg: pb.GenerationInput) -> GenerationRequest:
+    which = msg.WhichOneof("input")
+    spec = msg.speculation
+    return GenerationRequest(
+        prompt=msg.prompt if which == "prompt" else None,
+        messages=[{"role": m.role, "content": m.content} for m in msg.messages.messages]
+        if which == "messages" else None,
+        token_ids=list(msg.token_ids.ids) if which == "token_ids" else None,
+        sampling=sampling_from_proto(msg.sampling),
+        seed=msg.sampling.seed if msg.sampling.HasField("seed") else None,
+        max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else None,
+        stop=list(msg.stop),
+        stop_token_ids=list(msg.stop_token_ids),
+        method=_METHODS.get(spec.method, Method.DEFAULT),
+        num_speculative_tokens=spec.num_speculative_tokens if spec.HasField("num_speculative_tokens") else None,
+        adaptive=spec.adaptive,
+        session_id=msg.session_id,
+    )
+
+
+def stats_to_proto(s: RequestStats | SessionStats) -> pb.SpeculationStats:
+    overhead = max(0.0, s.wall_ms - s.draft_ms - s.verify_ms)
+    return pb.SpeculationStats(
+        rounds=s.rounds, drafted=s.drafted, accepted=s.accepted,
+        acceptance_rate=s.accepted / s.drafted if s.drafted else 0.0,
+        mean_accepted_length=(s.accepted + s.rounds) / s.rounds if s.rounds else 0.0,
+        wall_ms=s.wall_ms, draft_ms=s.draft_ms, verify_ms=s.verify_ms, overhead_ms=overhead,
+        last_k=getattr(s, "last_k", 0),
+    )
+
+
+def chunk_to_proto(chunk: Chunk) -> pb.GenerateStreamResponse:
+    msg = pb.GenerateStreamResponse(session_id=chunk.session_id, text=chunk.text, token_ids=chunk.token_ids)
+    if chunk.finish is not None:
+        msg.finish_reason = _FINISH[chunk.finish]
+        msg.usage.CopyFrom(pb.Usage(prompt_tokens=chunk.prompt_tokens, completion_tokens=chunk.completion_tokens,
+                                    session_tokens=chunk.session_tokens))
+        msg.stats.CopyFrom(stats_to_proto(chunk.stats))
+    return msg
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, generation: Generation, workers: list, describe: pb.DescribeModelsResponse):
+        self.generation = generation
+        self.workers = workers  # clients with .role and .release(session_id)
+        self.describe = describe
+
+    @grpc_errors
+    def GenerateStream(self, request, context):
+        for chunk in self.generation.run(request_from_proto(request.input)):
+            yield chunk_to_proto(chunk)
+
+    @grpc_errors
+    def Generate(self, request, context):
+        text, ids, last = [], [], None
+        for chunk in self.generation.run(request_from_proto(request.input)):
+            text.append(chunk.text)
+            ids.extend(chunk.token_ids)
+            last = chunk
+        return pb.GenerateResponse(
+            session_id=last.session_id, text="".join(text), token_ids=ids, finish_reason=_FINISH[last.finish],
+            usage=pb.Usage(prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
+                           session_tokens=last.session_tokens),
+            stats=stats_to_proto(last.stats),
+        )
+
+    @grpc_errors
+    def GetSession(self, request, context):
+        s = self.generation.store.load(request.session_id)
+        sampling = s.sampling or {}
+        return pb.GetSessionResponse(
+            session_id=s.session_id, token_ids=s.token_ids,
+            messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in s.messages],
+            sampling=sampling_to_proto(SamplingConfig(**sampling), s.seed), seed=s.seed,
+            stats=stats_to_proto(s.stats), version=s.version,
+        )
+
+    @grpc_errors
+    def EndSession(self, request, context):
+        self.generation.store.load(request.session_id)  # NOT_FOUND for an unknown session
+        for worker in self.workers:
+            try:
+                worker.release(request.session_id)
+            except SpecdecError as exc:  # caches are only caches; LRU frees them eventually
+                log.warning("could not release %s cache: %s", worker.role, exc)
+        self.generation.store.delete(request.session_id)
+        return pb.EndSessionResponse()
+
+    @grpc_errors
+    def DescribeModels(self, request, context):
+        return self.describe

@@ -1,0 +1,118 @@
+"""gRPC clients for the draft and target workers, behind the `Proposer`/`Verifier` interfaces.
+
+Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED, a worker's cache slot busy) are retried with
+exponential backoff for a bounded time; then the call fails with UNAVAILABLE. A worker that
+restarts in the meantime simply rebuilds its cache from the committed tokens each request carries.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+
+from coordinator.loop import Draft, Verdict
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec_core.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    SpecdecError,
+    Unavailable,
+)
+from specdec_core.sampling import SamplingConfig
+from specdec_core.wire import sampling_to_proto
+
+log = logging.getLogger(__name__)
+
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION,
+              grpc.StatusCode.RESOURCE_EXHAUSTED}
+_MESSAGE_LIMIT = 64 * 1024 * 1024
+
+
+class WorkerClient:
+    def __init__(self, role: str, address: str, timeout_s: float, retry_budget_s: float):
+        self.role = role
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retry_budget_s = retry_budget_s
+        self.channel = grpc.insecure_channel(
+            address,
+            options=[("grpc.max_receive_message_length", _MESSAGE_LIMIT),
+                     ("grpc.max_send_message_length", _MESSAGE_LIMIT)],
+        )
+
+    def call(self, method: Callable, request, retry_budget_s: float | None = None):
+        budget = self.retry_budget_s if retry_budget_s is None else retry_budget_s
+        deadline = time.monotonic() + budget
+        delay = 0.05
+        while True:
+            try:
+                return method(request, timeout=self.timeout_s)
+            except grpc.RpcError as err:
+                code, details = err.code(), err.details()
+                if code not in _RETRYABLE:
+                    raise _domain_error(self.role, code, details) from err
+                if time.monotonic() + delay > deadline:
+                    raise Unavailable(
+                        f"{self.role} worker at {self.address} unavailable after {budget:.0f} s of retries: "
+                        f"{code.name}: {details}"
+                    ) from err
+                log.info("%s worker %s: %s, retrying in %.2f s", self.role, self.address, code.name, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def _domain_error(role: str, code: grpc.StatusCode, details: str) -> SpecdecError:
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidArgument(f"{role} worker", details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ResourceExhausted(f"{role} worker: {details}")
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return FailedPrecondition(f"{role} worker: {details}")
+    return SpecdecError(f"{role} worker failed: {code.name}: {details}")
+
+
+class DraftClient(WorkerClient):
+    def __init__(self, address: str, timeout_s: float = 60.0, retry_budget_s: float = 2.0):
+        super().__init__("draft", address, timeout_s, retry_budget_s)
+        self.stub = draft_pb2_grpc.DraftStub(self.channel)
+
+    def propose(self, session_id, committed_ids, num_tokens, sampling: SamplingConfig, seed) -> Draft:
+        response = self.call(self.stub.Propose, draft_pb2.ProposeRequest(
+            session_id=session_id, committed_ids=committed_ids, num_tokens=num_tokens,
+            sampling=sampling_to_proto(sampling), seed=seed,
+        ))
+        dists = [(list(d.token_ids), list(d.probs)) for d in response.distributions]
+        return Draft(list(response.token_ids), dists, response.compute_ms)
+
+    def release(self, session_id: str) -> None:
+        self.call(self.stub.ReleaseDraftCache, draft_pb2.ReleaseDraftCacheRequest(session_id=session_id))
+
+    def model_info(self, retry_budget_s: float | None = None) -> common_pb2.ModelInfo:
+        return self.call(self.stub.GetDraftModel, draft_pb2.GetDraftModelRequest(), retry_budget_s).model
+
+
+class TargetClient(WorkerClient):
+    def __init__(self, address: str, timeout_s: float = 120.0, retry_budget_s: float = 30.0):
+        super().__init__("target", address, timeout_s, retry_budget_s)
+        self.stub = target_pb2_grpc.TargetStub(self.channel)
+
+    def verify(self, session_id, committed_ids, draft: Draft, sampling: SamplingConfig, seed) -> Verdict:
+        response = self.call(self.stub.Verify, target_pb2.VerifyRequest(
+            session_id=session_id, committed_ids=committed_ids, draft_ids=draft.token_ids,
+            draft_distributions=[common_pb2.SparseDistribution(token_ids=i, probs=p) for i, p in draft.dists],
+            sampling=sampling_to_proto(sampling), seed=seed,
+        ))
+        return Verdict(response.num_accepted, response.next_token_id, response.compute_ms, response.batch_size)
+
+    def release(self, session_id: str) -> None:
+        self.call(self.stub.ReleaseTargetCache, target_pb2.ReleaseTargetCacheRequest(session_id=session_id))
+
+    def model_info(self, retry_budget_s: float | None = None) -> common_pb2.ModelInfo:
+        return self.call(self.stub.GetTargetModel, target_pb2.GetTargetModelRequest(), retry_budget_s).model

@@ -1,0 +1,1 @@
+"""The draft worker: a cheap model proposing blocks of tokens, with per-session KV caches."""

@@ -1,0 +1,49 @@
+"""`python -m draft_service`: load the draft model and serve `specdec.v1.Draft`."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from draft_service.config import DraftConfig
+from draft_service.proposer import ModelProposer
+from draft_service.servicer import DraftServicer
+from specdec.v1 import draft_pb2, draft_pb2_grpc
+from specdec_core.kvcache import SessionCaches
+from specdec_core.server import create_server, serve, setup_logging
+
+log = logging.getLogger("draft_service")
+
+
+def load_backend(cfg: DraftConfig):
+    backend = cfg.resolved_backend
+    log.info("loading draft model %s with %s", cfg.model, backend)
+    if backend == "llama.cpp":
+        from draft_service.llama_backend import LlamaCppBackend
+        from specdec_core.models import gguf_path
+
+        path = gguf_path(cfg.model)
+        if path is None:
+            raise SystemExit("--backend llama.cpp needs a .gguf model (or 'smollm2')")
+        return LlamaCppBackend(str(path), n_ctx=cfg.context_tokens, max_sequences=cfg.max_sessions,
+                               n_threads=cfg.threads or None)
+    from specdec_core.hf_backend import HFBackend
+    from specdec_core.models import load_causal_lm
+
+    return HFBackend(load_causal_lm(cfg.model, cfg.dtype, cfg.device))
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = DraftConfig.from_args(argv)
+    setup_logging(cfg.log_level)
+    backend = load_backend(cfg)
+    max_sessions = cfg.max_sessions if cfg.resolved_backend == "llama.cpp" else None
+    caches = SessionCaches(backend, cfg.max_cache_tokens, max_sessions)
+    proposer = ModelProposer(caches, backend.max_context, cfg.sparse_top)
+    server = create_server(cfg.max_workers)
+    draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(proposer, cfg.model), server)
+    serve(server, f"{cfg.host}:{cfg.port}", [draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

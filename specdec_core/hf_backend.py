@@ -1,0 +1,33 @@
+"""A transformers causal LM as a `CacheBackend`: one `DynamicCache` per sequence."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+class HFBackend:
+    name = "transformers"
+
+    def __init__(self, model):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.vocab_size = int(model.config.vocab_size)
+        self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+        self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+
+    def allocate(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    def crop(self, handle: DynamicCache, length: int) -> None:
+        handle.crop(length - handle.get_seq_length())  # crop() takes minus the tokens to drop
+
+    def free(self, handle: DynamicCache) -> None:
+        handle.crop(-handle.get_seq_length())
+
+    @torch.inference_mode()
+    def forward(self, handle: DynamicCache, token_ids: list[int], start: int) -> torch.Tensor:
+        assert handle.get_seq_length() == start, (handle.get_seq_length(), start)
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, L]
+        out = self.model(input_ids=input_ids, cache=handle, use_cache=True)
+        return out.logits[0].float()  # [L, V]

@@ -1,0 +1,1 @@
+"""The target worker: the big model, per-session KV caches, single-pass verification."""

@@ -1,0 +1,42 @@
+"""gRPC adapter for the target worker: protobuf <-> `VerifyTask`/`VerifyResult`, nothing else."""
+
+from __future__ import annotations
+
+from specdec.v1 import target_pb2, target_pb2_grpc
+from specdec_core.errors import grpc_errors
+from specdec_core.wire import model_info_to_proto, sampling_from_proto
+from target_service.verifier import Verifier, VerifyTask
+
+
+class TargetServicer(target_pb2_grpc.TargetServicer):
+    def __init__(self, verifier: Verifier, model_name: str, tensor_parallel_size: int = 1):
+        self.verifier = verifier
+        self.model_info = model_info_to_proto(verifier.caches.backend, model_name, tensor_parallel_size)
+
+    @grpc_errors
+    def Verify(self, request, context):
+        result = self.verifier.verify(
+            VerifyTask(
+                session_id=request.session_id,
+                committed_ids=list(request.committed_ids),
+                draft_ids=list(request.draft_ids),
+                sampling=sampling_from_proto(request.sampling),
+                seed=request.seed,
+                draft_dists=[(list(d.token_ids), list(d.probs)) for d in request.draft_distributions],
+            )
+        )
+        return target_pb2.VerifyResponse(
+            num_accepted=result.num_accepted,
+            next_token_id=result.next_token_id,
+            prefill_tokens=result.prefill_tokens,
+            compute_ms=result.compute_ms,
+            batch_size=result.batch_size,
+        )
+
+    @grpc_errors
+    def ReleaseTargetCache(self, request, context):
+        return target_pb2.ReleaseTargetCacheResponse(released=self.verifier.caches.release(request.session_id))
+
+    @grpc_errors
+    def GetTargetModel(self, request, context):
+        return target_pb2.GetTargetModelResponse(model=self.model_info)
