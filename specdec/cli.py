@@ -1,0 +1,231 @@
+"""`specdec`: run the services, the whole local stack, or talk to a deployment.
+
+    specdec demo                      # local stack on the embedded model, a real prompt, speedup
+    specdec up                        # local stack; Ctrl-C stops it
+    specdec generate "Why is the sky blue?" --address localhost:50050
+    specdec coordinator|draft|target --help
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import grpc
+
+from specdec.client import Client, stats_dict
+from specdec.v1 import generation_pb2 as pb
+
+SERVICES = {"coordinator": "coordinator", "draft": "draft_service", "target": "target_service"}
+DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SERVICES:  # run a service in this process, flags passed through
+        os.execv(sys.executable, [sys.executable, "-m", SERVICES[argv[0]], *argv[1:]])
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except grpc.RpcError as err:
+        print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specdec", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(required=True, metavar="COMMAND")
+    for name, module in SERVICES.items():
+        sub.add_parser(name, help=f"run the {name} service (python -m {module}; see `specdec {name} --help`)")
+
+    g = sub.add_parser("generate", help="generate from a running coordinator, streaming to the terminal")
+    g.add_argument("prompt", help="the prompt (sent as a user chat message unless --raw)")
+    g.add_argument("--address", default=os.environ.get("SPECDEC_ADDRESS", "localhost:50050"))
+    _generation_flags(g)
+    g.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
+    g.add_argument("--session", default="", help="continue this session")
+    g.add_argument("--end-session", action="store_true", help="end the session after this request")
+    g.add_argument("--quiet", action="store_true", help="print only the text")
+    g.set_defaults(func=cmd_generate)
+
+    u = sub.add_parser("up", help="run the whole stack locally (embedded Redis, draft, target, coordinator)")
+    _stack_flags(u)
+    u.set_defaults(func=cmd_up)
+
+    d = sub.add_parser("demo", help="start the local stack, answer a prompt with and without speculation")
+    _stack_flags(d)
+    d.add_argument("prompt", nargs="?", default=DEMO_PROMPT)
+    _generation_flags(d, max_new_tokens=128)
+    d.set_defaults(func=cmd_demo)
+
+    s = sub.add_parser("session", help="show or end a session")
+    s.add_argument("action", choices=["show", "end"])
+    s.add_argument("session_id")
+    s.add_argument("--address", default=os.environ.get("SPECDEC_ADDRESS", "localhost:50050"))
+    s.set_defaults(func=cmd_session)
+
+    m = sub.add_parser("models", help="describe the models behind a coordinator")
+    m.add_argument("--address", default=os.environ.get("SPECDEC_ADDRESS", "localhost:50050"))
+    m.set_defaults(func=cmd_models)
+    return p
+
+
+def _generation_flags(p: argparse.ArgumentParser, max_new_tokens: int | None = None) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--temperature", type=float, default=None, help="0 or unset: greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--draft", choices=["default", "model", "ngram", "none"], default="default",
+                   help="drafting method; none = plain target decoding")
+    p.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=None, help="draft tokens per round")
+    p.add_argument("--adaptive", action="store_true", help="choose K per round from the measured acceptance")
+
+
+def _stack_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target-model", default="smollm2", help="hub id, folder, .gguf, or smollm2 (default)")
+    p.add_argument("--draft-model", default="smollm2", help="hub id, folder, .gguf, or smollm2 (default)")
+    p.add_argument("--draft-backend", default="auto", choices=["auto", "transformers", "llama.cpp"])
+    p.add_argument("--port", type=int, default=50050, help="coordinator port")
+    p.add_argument("--log-dir", default=None, help="write each service's log here (default: a temp folder)")
+
+
+def _gen_kwargs(a: argparse.Namespace) -> dict:
+    return dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                seed=a.seed, stop=a.stop, draft=a.draft, k=a.k, adaptive=a.adaptive)
+
+
+def stream_to_terminal(client: Client, prompt, quiet: bool = False, **kwargs) -> dict:
+    """Stream a generation to stdout; return its stats plus client-side timings."""
+    started = time.perf_counter()
+    first = None
+    last = None
+    for chunk in client.stream(prompt, **kwargs):
+        if first is None and chunk.token_ids:
+            first = time.perf_counter()
+        print(chunk.text, end="", flush=True)
+        last = chunk
+    wall = time.perf_counter() - started
+    print()
+    stats = stats_dict(last.stats)
+    stats.update(session_id=last.session_id, completion_tokens=last.usage.completion_tokens,
+                 finish_reason=pb.FinishReason.Name(last.finish_reason), client_wall_s=wall,
+                 ttft_ms=((first or started) - started) * 1e3,
+                 tokens_per_s=last.usage.completion_tokens / wall if wall > 0 else 0.0)
+    if not quiet:
+        print(format_stats(stats), file=sys.stderr)
+    return stats
+
+
+def format_stats(s: dict) -> str:
+    return (f"[{s['completion_tokens']} tokens in {s['client_wall_s']:.2f} s = {s['tokens_per_s']:.1f} tok/s | "
+            f"TTFT {s['ttft_ms']:.0f} ms | rounds {s['rounds']} | acceptance {s['acceptance_rate']:.0%} "
+            f"({s['accepted']}/{s['drafted']}) | {s['mean_accepted_length']:.2f} tokens/round | "
+            f"draft {s['draft_ms']:.0f} ms, verify {s['verify_ms']:.0f} ms, other {s['overhead_ms']:.0f} ms | "
+            f"{s['finish_reason'].removeprefix('FINISH_REASON_').lower()} | session {s['session_id']}]")
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    with Client(a.address) as client:
+        stats = stream_to_terminal(client, a.prompt, quiet=a.quiet, chat=not a.raw, session_id=a.session,
+                                   **_gen_kwargs(a))
+        if a.end_session:
+            client.end_session(stats["session_id"])
+    return 0
+
+
+def _start_stack(a: argparse.Namespace):
+    import tempfile
+    from pathlib import Path
+
+    from specdec.launcher import Stack
+
+    log_dir = Path(a.log_dir) if a.log_dir else Path(tempfile.mkdtemp(prefix="specdec-logs-"))
+    stack = Stack(target_model=a.target_model, draft_model=a.draft_model, redis_url=os.environ.get("REDIS_URL", ""),
+                  log_dir=log_dir, args={"draft": ["--backend", a.draft_backend]})
+    stack.ports["coordinator"] = a.port
+    print(f"specdec: preparing models (first run converts the GGUF once, ~1 min); logs in {log_dir}", file=sys.stderr)
+    _prepare_models(a.target_model, a.draft_model, a.draft_backend)
+    print("specdec: starting redis, draft, target and coordinator ...", file=sys.stderr)
+    started = time.perf_counter()
+    try:
+        stack.up()
+    except BaseException:
+        stack.down()
+        raise
+    print(f"specdec: up in {time.perf_counter() - started:.0f} s; coordinator at {stack.address('coordinator')}, "
+          f"redis at {stack.redis_url}", file=sys.stderr)
+    return stack
+
+
+def _prepare_models(*refs: str) -> None:
+    """Convert GGUF models once, in this process, so the services start from the converted copy."""
+    from specdec_core.models import resolve_model
+
+    target, draft, backend = refs
+    resolve_model(target)
+    if backend == "transformers":
+        resolve_model(draft)
+
+
+def cmd_up(a: argparse.Namespace) -> int:
+    stack = _start_stack(a)
+    print(f"specdec: try  specdec generate --address {stack.address('coordinator')} \"Hello!\"   (Ctrl-C stops)",
+          file=sys.stderr)
+    try:
+        while all(p.poll() is None for p in stack.processes.values()):
+            time.sleep(0.5)
+        dead = [n for n, p in stack.processes.items() if p.poll() is not None]
+        print(f"specdec: {', '.join(dead)} exited; stopping", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nspecdec: stopping", file=sys.stderr)
+        return 0
+    finally:
+        stack.down()
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    stack = _start_stack(a)
+    try:
+        with Client(stack.address("coordinator")) as client:
+            print(f"\n>>> {a.prompt}\n", file=sys.stderr)
+            kwargs = _gen_kwargs(a)
+            spec = stream_to_terminal(client, a.prompt, chat=True, **kwargs)
+            print("\n--- the same request with the target alone (K = 0, same path) ---", file=sys.stderr)
+            kwargs["draft"] = "none"
+            base = stream_to_terminal(client, a.prompt, chat=True, quiet=True, **kwargs)
+            print(format_stats(base), file=sys.stderr)
+            same = "identical" if spec["completion_tokens"] == base["completion_tokens"] else "different"
+            print(f"\nspeedup: {spec['tokens_per_s'] / base['tokens_per_s']:.2f}x "
+                  f"({spec['tokens_per_s']:.1f} vs {base['tokens_per_s']:.1f} tokens/s; output length {same}); "
+                  f"acceptance {spec['acceptance_rate']:.0%}, {spec['mean_accepted_length']:.2f} tokens per target pass",
+                  file=sys.stderr)
+    finally:
+        stack.down()
+    return 0
+
+
+def cmd_session(a: argparse.Namespace) -> int:
+    with Client(a.address) as client:
+        if a.action == "end":
+            client.end_session(a.session_id)
+            print(f"ended {a.session_id}")
+        else:
+            print(client.get_session(a.session_id))
+    return 0
+
+
+def cmd_models(a: argparse.Namespace) -> int:
+    with Client(a.address) as client:
+        print(client.describe())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

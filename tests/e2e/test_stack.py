@@ -1,0 +1,149 @@
+"""The whole path for real: Redis, draft, target and coordinator as separate processes on
+localhost ports, tiny random Llama-style models loaded by the services' own loading code."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+import redis
+
+from specdec import Client
+
+pytestmark = pytest.mark.e2e
+
+PROMPT_IDS = [[504, 3458, 282, 4649, 314], [1073, 2102, 30, 9, 17, 3365, 11, 4500], [42, 7, 900]]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_stack):
+    with Client(tiny_stack.address("coordinator"), timeout_s=120) as c:
+        yield c
+
+
+def committed_in_redis(stack, session_id: str) -> list[int]:
+    r = redis.Redis.from_url(stack.redis_url)
+    return [int(t) for t in r.lrange(f"specdec:session:{session_id}:ids", 0, -1)]
+
+
+@pytest.mark.lossless
+@pytest.mark.parametrize("k", [0, 1, 4, 8])
+def test_greedy_identical_to_target_alone(client, hf_greedy, k):
+    for ids in PROMPT_IDS:
+        result = client.generate(ids, max_new_tokens=40, k=k)
+        assert result.token_ids == hf_greedy(ids, 40)
+        if k:
+            assert result.stats["drafted"] > 0
+        else:
+            assert result.stats["drafted"] == 0 and result.stats["rounds"] == len(result.token_ids)
+
+
+@pytest.mark.lossless
+def test_ngram_drafting_is_lossless(client, hf_greedy):
+    ids = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
+    result = client.generate(ids, max_new_tokens=30, draft="ngram", k=4)
+    assert result.token_ids == hf_greedy(ids, 30)
+    assert result.stats["drafted"] > 0
+
+
+@pytest.mark.lossless
+def test_seeded_sampling_is_reproducible(client):
+    kwargs = dict(max_new_tokens=30, temperature=0.9, top_k=50, top_p=0.95, seed=1234, k=4)
+    first = client.generate(PROMPT_IDS[0], **kwargs)
+    second = client.generate(PROMPT_IDS[0], **kwargs)
+    other_seed = client.generate(PROMPT_IDS[0], **{**kwargs, "seed": 99})
+    assert first.token_ids == second.token_ids
+    assert other_seed.token_ids != first.token_ids
+    assert first.stats["drafted"] > 0
+
+
+def test_stream_delivers_rounds_and_persists_before_sending(client, tiny_stack):
+    chunks = list(client.stream(PROMPT_IDS[1], max_new_tokens=32, k=3))
+    assert len(chunks) > 1
+    streamed = [t for c in chunks for t in c.token_ids]
+    assert len(streamed) == 32
+    assert all(c.finish_reason == 0 for c in chunks[:-1]) and chunks[-1].finish_reason != 0
+    last = chunks[-1]
+    assert last.usage.completion_tokens == 32 and last.stats.rounds == len(chunks)
+    assert "".join(c.text for c in chunks) == client.generate(PROMPT_IDS[1], max_new_tokens=32, k=3).text
+    assert committed_in_redis(tiny_stack, last.session_id) == PROMPT_IDS[1] + streamed
+
+
+def test_stop_string_and_stop_token_truncate_inside_a_block(client, hf_greedy):
+    ids = PROMPT_IDS[0]
+    reference = hf_greedy(ids, 40)
+    full = client.generate(ids, max_new_tokens=40, k=6)
+    stop_token = reference[10]
+    cut = client.generate(ids, max_new_tokens=40, k=6, stop_token_ids=[stop_token])
+    assert cut.finish_reason == "stop_token"
+    assert cut.token_ids == reference[: reference.index(stop_token) + 1]
+    stop_text = full.text[len(full.text) // 2:][:4]
+    if stop_text.strip():
+        by_string = client.generate(ids, max_new_tokens=40, k=6, stop=[stop_text])
+        assert by_string.finish_reason == "stop_string"
+        assert by_string.text == full.text[: full.text.index(stop_text)]
+        assert stop_text not in by_string.text
+
+
+def test_two_turn_session_survives_coordinator_restart(client, tiny_stack, hf_greedy):
+    first = client.generate([11, 12, 13, 14], max_new_tokens=12, k=4)
+    tiny_stack.restart("coordinator")
+    with Client(tiny_stack.address("coordinator"), timeout_s=120) as fresh:
+        second = fresh.generate([15, 16], max_new_tokens=12, k=4, session_id=first.session_id)
+        session = fresh.get_session(first.session_id)
+    history = [11, 12, 13, 14] + first.token_ids + [15, 16]
+    assert second.session_id == first.session_id
+    assert second.token_ids == hf_greedy(history, 12)
+    assert list(session.token_ids) == history + second.token_ids
+    assert committed_in_redis(tiny_stack, first.session_id) == history + second.token_ids
+
+
+@pytest.mark.parametrize("worker", ["draft", "target"])
+def test_worker_restart_mid_session_keeps_greedy_output(tiny_stack, hf_greedy, worker):
+    with Client(tiny_stack.address("coordinator"), timeout_s=120) as c:
+        first = c.generate([21, 22, 23], max_new_tokens=16, k=4)
+        tiny_stack.restart(worker)
+        second = c.generate([24], max_new_tokens=16, k=4, session_id=first.session_id)
+    history = [21, 22, 23] + first.token_ids + [24]
+    assert second.token_ids == hf_greedy(history, 16)
+    assert second.stats["drafted"] > 0  # the draft is back, not silently skipped
+
+
+def test_two_sessions_at_once(client, hf_greedy):
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        results[i] = client.generate(PROMPT_IDS[i], max_new_tokens=24, k=4).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {i: hf_greedy(PROMPT_IDS[i], 24) for i in range(2)}
+
+
+def test_chat_session_multi_turn(client):
+    first = client.generate([{"role": "user", "content": "Hello"}], max_new_tokens=8)
+    second = client.generate([{"role": "user", "content": "And again"}], max_new_tokens=8,
+                             session_id=first.session_id)
+    session = client.get_session(first.session_id)
+    assert [m.role for m in session.messages] == ["user", "assistant", "user", "assistant"]
+    assert session.messages[1].content == first.text and session.messages[3].content == second.text
+    assert second.prompt_tokens > 0
+
+
+def test_end_session_deletes_it(client, tiny_stack):
+    result = client.generate([1, 2, 3], max_new_tokens=4)
+    client.end_session(result.session_id)
+    assert committed_in_redis(tiny_stack, result.session_id) == []
+    with pytest.raises(grpc.RpcError) as err:
+        client.get_session(result.session_id)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_describe_models(client):
+    info = client.describe()
+    assert info.target.vocab_size == info.draft.vocab_size == 49152
+    assert info.target.backend == "transformers" and info.default_num_speculative_tokens == 5
