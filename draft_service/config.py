@@ -18,7 +18,7 @@ class DraftConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     max_cache_tokens: int = 65536
-    max_sessions: int = 32
+    max_sessions: int = 8
     context_tokens: int = 4096
     sparse_top: int = 64
     threads: int = 0

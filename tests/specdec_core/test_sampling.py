@@ -89,6 +89,17 @@ def test_top_p_literal():
     assert kept.tolist() == pytest.approx([0.625, 0.375, 0.0, 0.0], abs=1e-12)
 
 
+def test_top_p_mass_exactly_at_top_p_is_enough():
+    """Dyadic probabilities (exact in float64): a prefix whose mass equals top_p already reaches it."""
+    logits = torch.tensor([[0.0, -math.log(2), -2 * math.log(2), -2 * math.log(2)]], dtype=torch.float64)
+    assert process_logits(logits, SamplingConfig(1.0))[0].tolist() == [0.5, 0.25, 0.125, 0.125]
+    assert process_logits(logits, SamplingConfig(1.0, 0, 0.5))[0].tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert process_logits(logits, SamplingConfig(1.0, 0, 0.75))[0].tolist() == pytest.approx([2 / 3, 1 / 3, 0.0, 0.0], abs=1e-15)
+    kept = process_logits(logits, SamplingConfig(1.0, 0, 0.875))[0].tolist()
+    assert kept[:2] == pytest.approx([4 / 7, 2 / 7], abs=1e-15)
+    assert sorted(kept[2:]) == pytest.approx([0.0, 1 / 7], abs=1e-15)  # one of the tied tokens
+
+
 def test_top_k_literal_and_temperature():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]], dtype=torch.float64)
     probs = process_logits(logits, SamplingConfig(temperature=0.5, top_k=2))[0]

@@ -1,0 +1,96 @@
+"""Session state in a real Redis server: atomic commits, the busy lease, expiry, errors."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from coordinator.__main__ import connect_redis
+from coordinator.sessions import SessionStore
+from specdec.launcher import Stack
+from specdec_core.errors import FailedPrecondition, NotFound, Unavailable
+
+
+@pytest.fixture(scope="module")
+def store():
+    stack = Stack()
+    url = stack.start_redis()
+    yield SessionStore(connect_redis(url), ttl_seconds=60)
+    stack.down()
+
+
+def test_commit_appends_and_bumps_the_version(store):
+    s = store.new(seed=7)
+    store.commit(s, [1, 2, 3])
+    store.commit(s, [4])
+    loaded = store.load(s.session_id)
+    assert loaded.token_ids == [1, 2, 3, 4] and loaded.version == 1 and loaded.seed == 7
+
+
+def test_stale_writer_loses_and_changes_nothing(store):
+    s = store.new(seed=1)
+    store.commit(s, [1])
+    stale = store.load(s.session_id)
+    store.commit(s, [2])
+    with pytest.raises(FailedPrecondition):
+        store.commit(stale, [99])
+    assert store.load(s.session_id).token_ids == [1, 2]
+
+
+def test_racing_writers_exactly_one_wins(store):
+    s = store.new(seed=1)
+    store.commit(s, [0])
+    copies = [store.load(s.session_id) for _ in range(8)]
+    outcomes = []
+
+    def write(copy, token):
+        try:
+            store.commit(copy, [token])
+            outcomes.append(token)
+        except FailedPrecondition:
+            pass
+
+    threads = [threading.Thread(target=write, args=(c, i + 100)) for i, c in enumerate(copies)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(outcomes) == 1
+    assert store.load(s.session_id).token_ids == [0, outcomes[0]]
+
+
+def test_busy_lease(store):
+    s = store.new(seed=1)
+    store.commit(s, [1])
+    lease = store.acquire(s.session_id)
+    with pytest.raises(FailedPrecondition, match="busy"):
+        store.acquire(s.session_id)
+    store.release(s.session_id, "not-the-holder")  # only the holder can release
+    with pytest.raises(FailedPrecondition):
+        store.acquire(s.session_id)
+    store.release(s.session_id, lease)
+    store.release(s.session_id, store.acquire(s.session_id))
+
+
+def test_long_inputs_are_committed_in_chunks(store):
+    s = store.new(seed=1)
+    store.commit(s, list(range(10_000)))
+    assert store.load(s.session_id).token_ids == list(range(10_000))
+
+
+def test_sessions_expire_and_delete(store):
+    s = store.new(seed=1)
+    store.commit(s, [1])
+    assert 0 < store.redis.ttl(f"specdec:session:{s.session_id}") <= 60
+    assert store.delete(s.session_id)
+    with pytest.raises(NotFound):
+        store.load(s.session_id)
+
+
+def test_redis_down_is_unavailable():
+    dead = SessionStore(connect_redis("redis://127.0.0.1:1/0"))
+    with pytest.raises(Unavailable, match="Redis"):
+        dead.load("x")
+    with pytest.raises(Unavailable):
+        dead.commit(dead.new(seed=1), [1])
