@@ -91,8 +91,8 @@ class Verifier:
         if len(task.draft_dists) != len(task.draft_ids):
             raise InvalidArgument("draft_distributions", "need one distribution per draft token when sampling")
         for i, (token, (ids, probs)) in enumerate(zip(task.draft_ids, task.draft_dists)):
-            if len(ids) != len(probs) or not all(p >= 0 for p in probs) or sum(probs) <= 0:
-                raise InvalidArgument(f"draft_distributions[{i}]", "token_ids and probs must pair up, probs >= 0")
+            if len(ids) != len(probs) or len(set(ids)) != len(ids) or not all(p >= 0 for p in probs) or sum(probs) <= 0:
+                raise InvalidArgument(f"draft_distributions[{i}]", "token_ids (distinct) and probs must pair up, probs >= 0")
             if any(not 0 <= t < self.vocab_size for t in ids):
                 raise InvalidArgument(f"draft_distributions[{i}].token_ids", "token id outside the vocabulary")
             if token not in ids or probs[ids.index(token)] <= 0:

@@ -172,6 +172,9 @@ livenessProbe:
 {{- $ctx := .ctx -}}
 serviceAccountName: {{ include "specdec.serviceAccountName" $ctx }}
 automountServiceAccountToken: false
+{{- /* Service links would put e.g. SPECDEC_COORDINATOR_PORT=tcp://... into the environment, where
+the services read SPECDEC_* settings. */}}
+enableServiceLinks: false
 {{- with $ctx.Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}

@@ -1,0 +1,374 @@
+"""The Helm chart, rendered offline with the Helm v4 engine (helm-python-sdk) for several values sets:
+lint --strict clean, every object valid against the Kubernetes schemas of the oldest and newest
+versions we support (kubernetes-validate, strict), and the wiring that matters checked directly:
+GPU counts, torchrun ranks, probes, NetworkPolicy selectors, the coordinator's addresses, and the
+values schema rejecting bad input with a clear message."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python")
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+pytestmark = pytest.mark.helm
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "specdec"
+EXAMPLES = sorted((ROOT / "helm" / "examples").glob("*.yaml"))
+RELEASE, NAMESPACE = "sd", "inference"
+KUBE_VERSIONS = ("1.25", "1.37")  # the oldest and newest kubernetes-validate 1.37 knows
+CRD_KINDS = {"ServiceMonitor"}  # no upstream schema; checked by hand below
+
+VALUE_SETS: dict[str, dict] = {
+    "defaults": {},
+    "tp4-pvc": {
+        "models": {"volume": {"type": "persistentVolumeClaim", "claimName": "weights"}},
+        "target": {"model": "/models/Qwen2.5-72B-Instruct", "tensorParallelSize": 4, "replicas": 2,
+                   "gpu": {"enabled": True}, "shmSize": "32Gi"},
+        "draft": {"model": "/models/Qwen2.5-0.5B-Instruct", "backend": "transformers",
+                  "gpu": {"enabled": True, "count": 1}},
+        "coordinator": {"tokenizer": "/models/Qwen2.5-72B-Instruct"},
+        "monitoring": {"serviceMonitor": {"enabled": True}},
+    },
+    "external-redis-auth": {
+        "redis": {"mode": "external", "external": {"host": "redis.data.svc", "port": 6380, "db": 2, "tls": True},
+                  "auth": {"existingSecret": "redis-auth", "existingSecretPasswordKey": "password"}},
+        "models": {"hfToken": {"existingSecret": "hf-token"}},
+        "networkPolicy": {"coordinator": {"from": [{"namespaceSelector": {"matchLabels": {"team": "ml"}}}]}},
+    },
+    "cpu-draft-autoscaling": {
+        "target": {"model": "Qwen/Qwen2.5-7B-Instruct", "gpu": {"enabled": True}},
+        "draft": {"model": "/models/qwen2.5-0.5b-instruct-q8_0.gguf", "backend": "llama.cpp", "replicas": 3,
+                  "gpu": {"enabled": False},
+                  "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                                 "whenUnsatisfiable": "ScheduleAnyway"}]},
+        "models": {"volume": {"type": "hostPath", "hostPath": "/mnt/models"}},
+        "coordinator": {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6}},
+        "redis": {"auth": {"existingSecret": "redis-auth"}, "bundled": {"persistence": {"enabled": True}}},
+    },
+    "no-draft": {"draft": {"enabled": False}},
+    **{f"example:{p.stem}": yaml.safe_load(p.read_text()) for p in EXAMPLES},
+}
+
+
+class Release:
+    """The objects one `helm template` produces, with lookups by kind and component."""
+
+    def __init__(self, values: dict, manifests: dict[str, str]):
+        self.values = values
+        self.objects = [o for path, text in manifests.items() if not path.endswith("NOTES.txt")
+                        for o in yaml.safe_load_all(text) if o]
+
+    def of_kind(self, kind: str) -> list[dict]:
+        return [o for o in self.objects if o["kind"] == kind]
+
+    def one(self, kind: str, component: str) -> dict:
+        found = [o for o in self.of_kind(kind) if component_of(o) == component]
+        assert len(found) == 1, f"expected one {kind} for {component}, found {len(found)}"
+        return found[0]
+
+    def workloads(self) -> list[dict]:
+        return self.of_kind("Deployment") + self.of_kind("StatefulSet")
+
+    def pods(self) -> list[tuple[str, dict, dict]]:
+        """(component, labels, pod spec) of every pod the release can create."""
+        pods = [(component_of(w), w["spec"]["template"]["metadata"]["labels"], w["spec"]["template"]["spec"])
+                for w in self.workloads()]
+        return pods + [(component_of(p), p["metadata"]["labels"], p["spec"]) for p in self.of_kind("Pod")]
+
+    def workload(self, component: str) -> dict:
+        found = [w for w in self.workloads() if component_of(w) == component]
+        assert len(found) == 1, f"expected one workload for {component}, found {len(found)}"
+        return found[0]
+
+    def pod_labels(self, component: str) -> dict:
+        return self.workload(component)["spec"]["template"]["metadata"]["labels"]
+
+    def container(self, component: str) -> dict:
+        return self.workload(component)["spec"]["template"]["spec"]["containers"][0]
+
+
+def component_of(obj: dict) -> str:
+    return obj["metadata"]["labels"]["app.kubernetes.io/component"]
+
+
+def matches(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def gpu_requested(container: dict) -> int:
+    return int(container["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cached_kubernetes_schemas():
+    """kubernetes-validate re-reads a 1-2 MB definitions file for every object; read each file once."""
+    with pytest.MonkeyPatch.context() as patch:
+        utils = getattr(kubernetes_validate, "utils", None)
+        if hasattr(utils, "schema_contents"):  # an optimisation only: skipped if the internals change
+            patch.setattr(utils, "schema_contents", functools.cache(utils.schema_contents))
+        yield
+
+
+@pytest.fixture(scope="module")
+def chart():
+    with helm.Chart.load(CHART) as loaded:
+        yield loaded
+
+
+@pytest.fixture(scope="module")
+def releases(chart) -> dict[str, Release]:
+    return {name: Release(chart.merge_values(values), chart.render(values, name=RELEASE, namespace=NAMESPACE))
+            for name, values in VALUE_SETS.items()}
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_lint_strict_is_clean(name):
+    report = helm.lint(CHART, VALUE_SETS[name], strict=True, namespace=NAMESPACE, kube_version="v1.25.0")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # 1 is info ("icon is recommended")
+    assert not problems and not report["errors"], problems or report["errors"]
+
+
+@pytest.mark.parametrize("version", KUBE_VERSIONS)
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_objects_valid_against_kubernetes_schemas(releases, name, version):
+    errors = []
+    for obj in releases[name].objects:
+        if obj["kind"] in CRD_KINDS:
+            continue
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as err:
+            path = ".".join(str(p) for p in err.path)
+            errors.append(f"{obj['kind']}/{obj['metadata']['name']}: {path}: {err.message}")
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_target_gpus_and_ranks_follow_tensor_parallel_size(releases, name):
+    release = releases[name]
+    target = release.values["target"]
+    tp = target["tensorParallelSize"]
+    pod = release.workload("target")["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert gpu_requested(container) == (tp if target["gpu"]["enabled"] else 0)
+    requests = container["resources"].get("requests", {})
+    assert int(requests.get("nvidia.com/gpu", gpu_requested(container))) == gpu_requested(container)
+    command, args = container["command"], container["args"]
+    if tp > 1:
+        assert command[0] == "torchrun" and command[-2:] == ["-m", "target_service"]
+        assert f"--nproc-per-node={tp}" in command
+        assert f"--tensor-parallel-size={tp}" in args
+    else:
+        assert command == ["python", "-m", "target_service"]
+    assert f"--device={'cuda' if target['gpu']['enabled'] else 'cpu'}" in args
+    tolerated = {t["key"] for t in pod.get("tolerations", [])}
+    assert ("nvidia.com/gpu" in tolerated) == target["gpu"]["enabled"]
+    shm = {m["name"] for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"}
+    assert [v["emptyDir"]["medium"] for v in pod["volumes"] if v["name"] in shm] == ["Memory"]
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_every_container_has_probes(releases, name):
+    for workload in releases[name].workloads():
+        spec = workload["spec"]["template"]["spec"]
+        for container in spec["containers"]:
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert probe in container, f"{workload['metadata']['name']}/{container['name']}: no {probe}"
+            if component_of(workload) == "redis":
+                continue
+            grpc_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert container[probe]["grpc"]["port"] == grpc_port
+            startup = container["startupProbe"]
+            assert startup["failureThreshold"] * startup["periodSeconds"] >= 600, "model loading is slow"
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_no_service_links_in_the_environment(releases, name):
+    # A Service named specdec-coordinator would otherwise set SPECDEC_COORDINATOR_PORT=tcp://... in
+    # every pod, next to the SPECDEC_* settings the services read.
+    for component, _, spec in releases[name].pods():
+        assert spec["enableServiceLinks"] is False, component
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_network_policies_guard_the_right_pods(releases, name):
+    release = releases[name]
+    policies = release.of_kind("NetworkPolicy")
+    guarded = {component_of(p) for p in policies}
+    expected = {"coordinator", "target"}
+    expected |= {"draft"} if release.values["draft"]["enabled"] else set()
+    expected |= {"redis"} if release.values["redis"]["mode"] == "bundled" else set()
+    assert guarded == expected
+    pods = release.pods()
+    for policy in policies:
+        component = component_of(policy)
+        selected = [c for c, labels, _ in pods if matches(policy["spec"]["podSelector"]["matchLabels"], labels)]
+        assert selected == [component], f"{policy['metadata']['name']} selects {selected}"
+        port = release.container(component)["ports"][0]["containerPort"]
+        rule = policy["spec"]["ingress"][0]
+        assert rule["ports"] == [{"port": port, "protocol": "TCP"}]
+        if component == "coordinator":
+            allowed = release.values["networkPolicy"]["coordinator"]["from"]
+            if not allowed:
+                assert "from" not in rule, "the public API is open when networkPolicy.coordinator.from is empty"
+            else:
+                peers = [p["podSelector"]["matchLabels"] for p in rule["from"] if "podSelector" in p]
+                assert any(matches(s, labels) for s in peers for c, labels, _ in pods if c == "test")
+            continue
+        for peer in rule["from"]:
+            reached = {c for c, labels, _ in pods if matches(peer["podSelector"]["matchLabels"], labels)}
+            assert set(peer) == {"podSelector"} and reached == {"coordinator"}
+
+
+def service_for(release: Release, host: str, port: int) -> dict:
+    services = [s for s in release.of_kind("Service") if s["metadata"]["name"] == host]
+    assert len(services) == 1, f"{host} is not a Service of the release"
+    service = services[0]
+    assert port in [p["port"] for p in service["spec"]["ports"]], f"{host} does not serve port {port}"
+    return service
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_coordinator_points_at_the_rendered_services(releases, name):
+    release = releases[name]
+    env = env_of(release.container("coordinator"))
+    dials = {"target": env["SPECDEC_TARGET_ADDRESS"]["value"], "draft": env["SPECDEC_DRAFT_ADDRESS"]["value"]}
+    if not release.values["draft"]["enabled"]:
+        assert dials.pop("draft") == ""
+    for component, address in dials.items():
+        host, port = address.rsplit(":", 1)
+        service = service_for(release, host, int(port))
+        assert matches(service["spec"]["selector"], release.pod_labels(component))
+    assert env["SPECDEC_TOKENIZER"]["value"] == (release.values["coordinator"]["tokenizer"]
+                                                 or release.values["target"]["model"])
+
+    redis = release.values["redis"]
+    url = urlsplit(env["REDIS_URL"]["value"])
+    names = list(env)
+    if redis["auth"]["existingSecret"]:
+        assert url.password == "$(REDIS_PASSWORD)" and names.index("REDIS_PASSWORD") < names.index("REDIS_URL")
+        assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+            "name": redis["auth"]["existingSecret"], "key": redis["auth"]["existingSecretPasswordKey"]}
+    else:
+        assert url.password is None and "REDIS_PASSWORD" not in env
+    if redis["mode"] == "external":
+        ext = redis["external"]
+        assert (url.scheme, url.hostname, url.port, url.path) == (
+            "rediss" if ext["tls"] else "redis", ext["host"], ext["port"], f"/{ext['db']}")
+        assert all(component_of(o) != "redis" for o in release.objects), "no bundled Redis with an external one"
+    else:
+        service = service_for(release, url.hostname, url.port)
+        assert url.scheme == "redis" and matches(service["spec"]["selector"], release.pod_labels("redis"))
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_services_reach_named_container_ports(releases, name):
+    release = releases[name]
+    for service in release.of_kind("Service"):
+        component = component_of(service)
+        container = release.container(component)
+        port_names = {p["name"] for p in container["ports"]}
+        assert {p["targetPort"] for p in service["spec"]["ports"]} <= port_names
+
+
+def test_models_from_a_volume_are_mounted_read_only(releases):
+    release = releases["tp4-pvc"]
+    for component in ("coordinator", "draft", "target"):
+        pod = release.workload(component)["spec"]["template"]["spec"]
+        volume = next(v for v in pod["volumes"] if v["name"] == "models")
+        assert volume["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+        mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "models")
+        assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}
+    assert "--model=/models/Qwen2.5-72B-Instruct" in release.container("target")["args"]
+
+
+def test_hf_token_comes_from_the_secret(releases):
+    release = releases["external-redis-auth"]
+    for component in ("coordinator", "draft", "target"):
+        ref = env_of(release.container(component))["HF_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "hf-token", "key": "HF_TOKEN"}
+    assert "HF_TOKEN" not in env_of(releases["defaults"].container("target"))
+
+
+def test_gpu_components_use_the_cuda_image(releases):
+    release = releases["tp4-pvc"]
+    assert release.container("target")["image"] == "specdec:0.1.0-cuda"
+    assert release.container("draft")["image"] == "specdec:0.1.0-cuda"
+    assert release.container("coordinator")["image"] == "specdec:0.1.0"
+    assert releases["cpu-draft-autoscaling"].container("draft")["image"] == "specdec:0.1.0"
+
+
+def test_coordinator_autoscaling_and_disruption_budget(releases):
+    release = releases["cpu-draft-autoscaling"]
+    deployment = release.one("Deployment", "coordinator")
+    hpa = release.one("HorizontalPodAutoscaler", "coordinator")
+    assert "replicas" not in deployment["spec"], "the HPA owns the replica count"
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                             "name": deployment["metadata"]["name"]}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
+    pdb = release.one("PodDisruptionBudget", "coordinator")
+    assert pdb["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert not releases["defaults"].of_kind("HorizontalPodAutoscaler")
+    draft = release.workload("draft")
+    spread = draft["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread[0]["labelSelector"]["matchLabels"] == draft["spec"]["selector"]["matchLabels"]
+
+
+def test_service_monitor_scrapes_the_metrics_ports(releases):
+    release = releases["tp4-pvc"]
+    (monitor,) = release.of_kind("ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
+    selector = monitor["spec"]["selector"]
+    scraped = {component_of(s) for s in release.of_kind("Service")
+               if matches(selector["matchLabels"], s["metadata"]["labels"])
+               and component_of(s) in selector["matchExpressions"][0]["values"]}
+    assert scraped == {"coordinator", "draft", "target"}
+    for component in scraped:
+        assert "metrics" in [p["name"] for p in release.one("Service", component)["spec"]["ports"]]
+    assert not releases["defaults"].of_kind("ServiceMonitor")
+
+
+def test_helm_test_hook_sends_a_generate_to_the_coordinator(releases):
+    release = releases["defaults"]
+    (pod,) = release.of_kind("Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    command = pod["spec"]["containers"][0]["command"]
+    assert command[:2] == ["python", "-c"] and "client.generate(" in command[2]
+    host, port = command[3].rsplit(":", 1)
+    coordinator = service_for(release, host, int(port))
+    assert component_of(coordinator) == "coordinator"
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"coordinator": {"replicas": -1}}, "at '/coordinator/replicas': minimum: got -1, want 0"),
+    ({"target": {"replicas": -2}}, "at '/target/replicas': minimum: got -2, want 0"),
+    ({"target": {"model": None}}, "at '/target': missing property 'model'"),
+    ({"draft": {"model": ""}}, "at '/draft/model': minLength: got 0, want 1"),
+    ({"target": {"tensorParallelSize": 0}}, "at '/target/tensorParallelSize': minimum: got 0, want 1"),
+    ({"redis": {"mode": "external"}}, "at '/redis/external/host': minLength: got 0, want 1"),
+    ({"models": {"volume": {"type": "persistentVolumeClaim"}}}, "at '/models/volume/claimName'"),
+    ({"target": {"gpus": 4}}, "additional properties 'gpus' not allowed"),
+])
+def test_schema_rejects_bad_values_with_a_clear_message(chart, values, message):
+    with pytest.raises(helm.HelmValuesError) as err:
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    assert message in str(err.value)
+
+
+def test_cross_field_checks_fail_rendering(chart):
+    values = {"coordinator": {"autoscaling": {"enabled": True, "minReplicas": 4, "maxReplicas": 2}}}
+    with pytest.raises(helm.HelmRenderError, match="maxReplicas \\(2\\) must be >= minReplicas \\(4\\)"):
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
