@@ -98,12 +98,18 @@ def load_tokenizer(ref: str, cache_dir: Path | None = None):
     return AutoTokenizer.from_pretrained(resolve_model(ref, cache_dir))
 
 
-def load_causal_lm(ref: str, dtype: str = "float32", device: str = "cpu", cache_dir: Path | None = None):
-    """A transformers causal LM in eval mode, from any model reference."""
+def load_causal_lm(ref: str, dtype: str = "float32", device: str = "cpu", cache_dir: Path | None = None,
+                   tensor_parallel: bool = False):
+    """A transformers causal LM in eval mode, from any model reference. tensor_parallel: shard it
+    over the initialized process group with the model's own tensor-parallel plan."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_model(ref, cache_dir), dtype=getattr(torch, dtype)
-    )
-    return model.to(device).eval()
+    path = resolve_model(ref, cache_dir)
+    if tensor_parallel:
+        from transformers.distributed import DistributedConfig
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
+                                                     distributed_config=DistributedConfig(tp_plan="auto"))
+        return model.eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()

@@ -1,8 +1,13 @@
-"""`python -m target_service`: load the target model and serve `specdec.v1.Target`."""
+"""`python -m target_service`: load the target model and serve `specdec.v1.Target`.
+
+With --tensor-parallel-size N > 1 it re-executes itself under torchrun with N ranks; rank 0
+serves gRPC, the others follow (see `tensor_parallel`).
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from specdec.v1 import target_pb2, target_pb2_grpc
@@ -10,6 +15,7 @@ from specdec_core.hf_backend import HFBackend
 from specdec_core.kvcache import SessionCaches
 from specdec_core.models import load_causal_lm
 from specdec_core.server import create_server, serve, setup_logging
+from target_service import tensor_parallel as tp
 from target_service.config import TargetConfig
 from target_service.servicer import TargetServicer
 from target_service.verifier import Verifier
@@ -18,13 +24,46 @@ log = logging.getLogger("target_service")
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     cfg = TargetConfig.from_args(argv)
+    if cfg.tensor_parallel_size > 1 and tp.world_size() == 1:
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.tensor_parallel_size),
+                    "--standalone", "-m", "target_service", *argv]
+        os.execv(sys.executable, torchrun)
     setup_logging(cfg.log_level)
+    if tp.world_size() > 1:
+        return serve_tensor_parallel(cfg)
     log.info("loading target model %s (%s on %s)", cfg.model, cfg.dtype, cfg.device)
     backend = HFBackend(load_causal_lm(cfg.model, cfg.dtype, cfg.device))
+    run_server(cfg, backend)
+
+
+def serve_tensor_parallel(cfg: TargetConfig) -> None:
+    if tp.world_size() != cfg.tensor_parallel_size:
+        raise SystemExit(f"WORLD_SIZE {tp.world_size()} != --tensor-parallel-size {cfg.tensor_parallel_size}")
+    device, control = tp.init(cfg.device, cfg.dist_timeout_s)
+    log.info("rank %d/%d: loading target model %s (%s on %s)", tp.rank(), tp.world_size(), cfg.model, cfg.dtype, device)
+    local = HFBackend(load_causal_lm(cfg.model, cfg.dtype, device, tensor_parallel=True))
+    if tp.rank() > 0:
+        tp.follow(local, control)
+        return
+    backend = tp.ReplicatedBackend(local, control, on_failure=_die)
+    try:
+        run_server(cfg, backend)
+    finally:
+        backend.shutdown()
+
+
+def _die(exc: BaseException) -> None:
+    log.critical("a tensor-parallel rank failed (%s); exiting", exc)
+    logging.shutdown()
+    os._exit(3)
+
+
+def run_server(cfg: TargetConfig, backend) -> None:
     verifier = Verifier(SessionCaches(backend, cfg.max_cache_tokens), backend.max_context)
     server = create_server(cfg.max_workers)
-    target_pb2_grpc.add_TargetServicer_to_server(TargetServicer(verifier, cfg.model), server)
+    target_pb2_grpc.add_TargetServicer_to_server(TargetServicer(verifier, cfg.model, cfg.tensor_parallel_size), server)
     serve(server, f"{cfg.host}:{cfg.port}", [target_pb2.DESCRIPTOR.services_by_name["Target"].full_name])
 
 

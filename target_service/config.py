@@ -16,6 +16,8 @@ class TargetConfig:
     port: int = 50052
     max_cache_tokens: int = 65536
     max_workers: int = 16
+    tensor_parallel_size: int = 1
+    dist_timeout_s: float = 60.0
     log_level: str = "info"
 
     def __post_init__(self):
@@ -23,6 +25,8 @@ class TargetConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.max_cache_tokens < 1:
             raise ValueError("max_cache_tokens must be >= 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype}")
 
@@ -42,6 +46,12 @@ class TargetConfig:
                        default=int(env("SPECDEC_TARGET_MAX_CACHE_TOKENS", cls.max_cache_tokens)),
                        help="KV-cache budget in tokens over all sessions (LRU eviction beyond it)")
         p.add_argument("--max-workers", type=int, default=cls.max_workers, help="gRPC handler threads")
+        p.add_argument("--tensor-parallel-size", "--tp", type=int,
+                       default=int(env("SPECDEC_TENSOR_PARALLEL_SIZE", cls.tensor_parallel_size)),
+                       help="shard the model over N ranks (started under torchrun automatically)")
+        p.add_argument("--dist-timeout", type=float, default=cls.dist_timeout_s,
+                       help="seconds before a collective with a dead rank fails (then the service exits)")
         p.add_argument("--log-level", default=env("SPECDEC_LOG_LEVEL", cls.log_level))
         a = p.parse_args(argv)
-        return cls(a.model, a.dtype, a.device, a.host, a.port, a.max_cache_tokens, a.max_workers, a.log_level)
+        return cls(a.model, a.dtype, a.device, a.host, a.port, a.max_cache_tokens, a.max_workers,
+                   a.tensor_parallel_size, a.dist_timeout, a.log_level)

@@ -13,8 +13,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-helm = pytest.importorskip("helm_python")
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
+import helm_python as helm
+import kubernetes_validate
 
 pytestmark = pytest.mark.helm
 

@@ -1,0 +1,127 @@
+"""Tensor parallelism for the target: N ranks under torchrun, weights sharded by transformers'
+tensor-parallel plan (`DistributedConfig(tp_plan="auto")`), NCCL on GPUs and gloo on CPU.
+
+Every rank holds its shard of every session's KV cache, so every cache operation (allocate, crop,
+free, forward) must run on all ranks in the same order. Rank 0 serves gRPC and drives a
+`ReplicatedBackend`: each call is broadcast to the other ranks (over a gloo group, whatever the
+data backend) before it runs locally; the other ranks sit in `follow()` and replay the calls.
+Logits come out replicated on every rank; rank 0 uses its own.
+
+Failure: a collective that fails (a rank died) or times out makes rank 0 report NOT_SERVING and
+exit non-zero; torchrun then stops the remaining ranks. Nothing hangs: rank 0 pings the followers
+while idle so that their receive never outlives the group timeout by accident.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def init(device: str, timeout_s: float) -> tuple[str, dist.ProcessGroup]:
+    """Join the process group torchrun set up; returns this rank's device and a gloo control group."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+        device = f"cuda:{local_rank}"
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return device, control
+
+
+class ReplicatedBackend:
+    """Rank 0's backend: runs each call on every rank. Same interface as the local backend."""
+
+    def __init__(self, local, control: dist.ProcessGroup, on_failure: Callable[[BaseException], None],
+                 ping_every_s: float = 5.0):
+        self.local = local
+        self.control = control
+        self.on_failure = on_failure
+        self.name, self.vocab_size = local.name, local.vocab_size
+        self.max_context, self.dtype, self.device = local.max_context, local.dtype, local.device
+        self._handles: dict[int, object] = {}
+        self._next_handle = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._pinger = threading.Thread(target=self._ping, args=(ping_every_s,), daemon=True)
+        self._pinger.start()
+
+    def allocate(self) -> int:
+        with self._lock:
+            handle = self._next_handle
+            self._next_handle += 1
+            self._broadcast(("allocate", handle))
+            self._handles[handle] = self.local.allocate()
+            return handle
+
+    def crop(self, handle: int, length: int) -> None:
+        self._call("crop", handle, length)
+
+    def free(self, handle: int) -> None:
+        self._call("free", handle)
+        self._handles.pop(handle, None)
+
+    def forward(self, handle: int, token_ids: list[int], start: int) -> torch.Tensor:
+        return self._call("forward", handle, token_ids, start)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._broadcast(("stop",))
+
+    def _call(self, op: str, handle: int, *args):
+        with self._lock:
+            self._broadcast((op, handle, *args))
+            return getattr(self.local, op)(self._handles[handle], *args)
+
+    def _broadcast(self, message: tuple) -> None:
+        try:
+            dist.broadcast_object_list([message], src=0, group=self.control)
+        except Exception as exc:  # noqa: BLE001 - any collective failure is fatal for the service
+            self.on_failure(exc)
+            raise
+
+    def _ping(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            with self._lock:
+                try:
+                    self._broadcast(("ping",))
+                except Exception:  # noqa: BLE001 - on_failure already ran
+                    return
+
+
+def follow(local, control: dist.ProcessGroup) -> None:
+    """Ranks > 0: replay rank 0's calls on the local shard until told to stop."""
+    handles: dict[int, object] = {}
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=control)
+        op, *args = box[0]
+        if op == "stop":
+            return
+        if op == "ping":
+            continue
+        if op == "allocate":
+            handles[args[0]] = local.allocate()
+            continue
+        handle = handles.pop(args[0]) if op == "free" else handles[args[0]]
+        try:
+            getattr(local, op)(handle, *args[1:])
+        except Exception:  # noqa: BLE001 - rank 0 met the same error and answered it; stay in step
+            log.exception("rank %d: %s failed", rank(), op)

@@ -1,0 +1,66 @@
+"""Tensor-parallel target: two gloo ranks under torchrun on CPU, through the full service path."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from conftest import start_stack
+from specdec import Client
+
+pytestmark = [pytest.mark.tp, pytest.mark.e2e]
+
+PROMPTS = [[504, 3458, 282, 4649, 314], [1073, 2102, 30, 9, 17, 3365, 11, 4500]]
+
+
+@pytest.fixture(scope="module")
+def tp_stack(tiny_pair, tmp_path_factory):
+    stack = start_stack(*tiny_pair, tmp_path_factory.mktemp("logs"),
+                        args={"target": ["--tensor-parallel-size", "2", "--dist-timeout", "20"]})
+    yield stack
+    stack.down()
+
+
+@pytest.mark.lossless
+def test_tp2_greedy_identical_to_tp1(tp_stack, hf_greedy):
+    with Client(tp_stack.address("coordinator"), timeout_s=120) as client:
+        assert client.describe().target.tensor_parallel_size == 2
+        for ids in PROMPTS:
+            expected = hf_greedy(ids, 32)  # one process, no sharding
+            for k in (0, 4):
+                assert client.generate(ids, max_new_tokens=32, k=k).token_ids == expected
+        first = client.generate(PROMPTS[0], max_new_tokens=8, k=4)  # caches roll back on every rank
+        second = client.generate([42], max_new_tokens=8, k=4, session_id=first.session_id)
+        assert second.token_ids == hf_greedy(PROMPTS[0] + first.token_ids + [42], 8)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def test_a_dead_rank_takes_the_service_down_cleanly(tp_stack):
+    torchrun = tp_stack.processes["target"]
+    ranks = _children(torchrun.pid)
+    assert len(ranks) == 2
+    os.kill(max(ranks), signal.SIGKILL)  # the second rank
+    started = time.monotonic()
+    code = torchrun.wait(timeout=120)
+    assert code != 0
+    assert time.monotonic() - started < 120
+    with Client(tp_stack.address("coordinator"), timeout_s=120) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(PROMPTS[0], max_new_tokens=4)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
