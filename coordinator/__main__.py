@@ -12,6 +12,7 @@ from redis.retry import Retry
 from coordinator.config import CoordinatorConfig
 from coordinator.generation import Generation, Limits
 from coordinator.ngram import NgramProposer
+from coordinator.routing import ReplicaPool, Routed, discover
 from coordinator.servicer import GenerationServicer
 from coordinator.sessions import SessionStore
 from coordinator.text import TextCodec
@@ -37,11 +38,18 @@ def connect_redis(url: str) -> redis.Redis:
 def main(argv: list[str] | None = None) -> None:
     cfg = CoordinatorConfig.from_args(argv)
     setup_logging(cfg.log_level)
-    target = TargetClient(cfg.target_address, retry_budget_s=cfg.target_retry_s)
-    draft = DraftClient(cfg.draft_address, retry_budget_s=cfg.draft_retry_s) if cfg.draft_address else None
+    routes: dict[str, dict[str, str]] = {}
+    target = Routed(ReplicaPool("target", discover(cfg.target_address),
+                                lambda a: TargetClient(a, retry_budget_s=min(2.0, cfg.target_retry_s)),
+                                cfg.target_retry_s), routes)
+    draft = None
+    if cfg.draft_address:
+        draft = Routed(ReplicaPool("draft", discover(cfg.draft_address),
+                                   lambda a: DraftClient(a, retry_budget_s=min(1.0, cfg.draft_retry_s)),
+                                   cfg.draft_retry_s), routes)
     log.info("waiting for the target worker at %s", cfg.target_address)
-    target_info = target.model_info(retry_budget_s=cfg.startup_timeout_s)
-    draft_info = draft.model_info(retry_budget_s=cfg.startup_timeout_s) if draft else None
+    target_info = target.model_info(cfg.startup_timeout_s)
+    draft_info = draft.model_info(cfg.startup_timeout_s) if draft else None
     codec = TextCodec(load_tokenizer(cfg.tokenizer), cfg.tokenizer)
     if len(codec.tokenizer) > target_info.vocab_size:
         raise FailedPrecondition(f"tokenizer {cfg.tokenizer} has {len(codec.tokenizer)} tokens, "
@@ -51,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
                     target_info.vocab_size)
     limits = Limits(target_info.vocab_size, target_info.max_context, cfg.max_new_tokens, cfg.num_speculative_tokens)
     store = SessionStore(connect_redis(cfg.redis_url), ttl_seconds=cfg.session_ttl_s)
-    generation = Generation(store, codec, draft, NgramProposer(), target, limits)
+    generation = Generation(store, codec, draft, NgramProposer(), target, limits, routes)
     describe = pb.DescribeModelsResponse(
         target=target_info, draft=draft_info, tokenizer=cfg.tokenizer,
         default_num_speculative_tokens=cfg.num_speculative_tokens, default_max_new_tokens=cfg.max_new_tokens,

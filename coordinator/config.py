@@ -40,9 +40,9 @@ class CoordinatorConfig:
         p.add_argument("--host", default=env("SPECDEC_HOST", cls.host))
         p.add_argument("--port", type=int, default=int(env("SPECDEC_PORT", cls.port)))
         p.add_argument("--target", default=env("SPECDEC_TARGET_ADDRESS", cls.target_address),
-                       help="host:port of the target worker")
+                       help="target replicas: host:port[,host:port], file:///list, dns:///name:port, k8s:///ns/service:port")
         p.add_argument("--draft", default=env("SPECDEC_DRAFT_ADDRESS", cls.draft_address),
-                       help="host:port of the draft worker ('' for none)")
+                       help="draft replicas, same forms as --target ('' for none)")
         p.add_argument("--redis-url", default=env("REDIS_URL", ""),
                        help="redis://[:password@]host:port/db, rediss:// for TLS, or unix:///path")
         p.add_argument("--tokenizer", default=env("SPECDEC_TOKENIZER", cls.tokenizer),

@@ -97,8 +97,9 @@ class Limits:
 
 class Generation:
     def __init__(self, store: SessionStore, codec: TextCodec, proposer: Proposer | None, ngram: Proposer,
-                 verifier: Verifier, limits: Limits):
+                 verifier: Verifier, limits: Limits, routes: dict[str, dict[str, str]] | None = None):
         self.store = store
+        self.routes = routes if routes is not None else {}  # sessions in flight -> their replicas
         self.codec = codec
         self.proposer = proposer
         self.ngram = ngram
@@ -109,9 +110,11 @@ class Generation:
         self._validate(req)
         session = self.store.load(req.session_id) if req.session_id else self.store.new(req.seed)
         lease = self.store.acquire(session.session_id)
+        self.routes[session.session_id] = session.routes  # routed workers update it in place
         try:
             yield from self._run(req, session)
         finally:
+            self.routes.pop(session.session_id, None)
             self.store.release(session.session_id, lease)
 
     def _run(self, req: GenerationRequest, session: Session) -> Iterator[Chunk]:

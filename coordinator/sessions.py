@@ -61,11 +61,13 @@ class Session:
     messages: list[dict] = field(default_factory=list)  # chat history, when driven by messages
     sampling: dict = field(default_factory=dict)
     stats: SessionStats = field(default_factory=SessionStats)
+    routes: dict = field(default_factory=dict)  # role -> the worker replica serving this session
     version: int = -1  # -1: not stored yet
 
     def meta_json(self) -> str:
         return json.dumps(
-            {"seed": self.seed, "messages": self.messages, "sampling": self.sampling, "stats": asdict(self.stats)}
+            {"seed": self.seed, "messages": self.messages, "sampling": self.sampling, "stats": asdict(self.stats),
+             "routes": self.routes}
         )
 
 
@@ -102,6 +104,7 @@ class SessionStore:
             messages=meta["messages"],
             sampling=meta["sampling"],
             stats=SessionStats(**meta["stats"]),
+            routes=meta.get("routes", {}),
             version=int(fields[b"version"]),
         )
 

@@ -71,6 +71,12 @@ def parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="describe the models behind a coordinator")
     m.add_argument("--address", default=os.environ.get("SPECDEC_ADDRESS", "localhost:50050"))
     m.set_defaults(func=cmd_models)
+
+    from specdec.loadtest import add_arguments as loadtest_arguments  # no locust import until it runs
+
+    lt = sub.add_parser("loadtest", help="load-test a running coordinator with locust (needs `pip install locust`)")
+    loadtest_arguments(lt)
+    lt.set_defaults(func=cmd_loadtest)
     return p
 
 
@@ -219,6 +225,12 @@ def cmd_session(a: argparse.Namespace) -> int:
         else:
             print(client.get_session(a.session_id))
     return 0
+
+
+def cmd_loadtest(a: argparse.Namespace) -> int:
+    from specdec.loadtest import run_cli
+
+    return run_cli(a)
 
 
 def cmd_models(a: argparse.Namespace) -> int:

@@ -90,17 +90,19 @@ class Stack:
         return self.redis_url
 
     def command(self, name: str) -> list[str]:
+        """The command line of a service; `role#n` names another replica of `role`."""
+        role = name.split("#")[0]
         port = self.ports.setdefault(name, free_port())
-        cmd = [sys.executable, "-m", MODULES[name], "--host", "127.0.0.1", "--port", str(port)]
-        if name == "target":
+        cmd = [sys.executable, "-m", MODULES[role], "--host", "127.0.0.1", "--port", str(port)]
+        if role == "target":
             cmd += ["--model", self.target_model]
-        elif name == "draft":
+        elif role == "draft":
             cmd += ["--model", self.draft_model]
         else:
             draft = self.address("draft") if self.use_draft else ""
             cmd += ["--target", self.address("target"), "--draft", draft, "--redis-url", self.redis_url,
                     "--tokenizer", self.target_model]
-        return cmd + self.args.get(name, [])
+        return cmd + self.args.get(role, [])
 
     def start(self, name: str, wait_s: float = 600.0) -> None:
         log = subprocess.DEVNULL
@@ -138,7 +140,8 @@ class Stack:
         self.start(name, wait_s)
 
     def down(self) -> None:
-        for name in ["coordinator", "draft", "target", "redis"]:
+        order = {"coordinator": 0, "draft": 1, "target": 1, "redis": 2}
+        for name in sorted(self.processes, key=lambda n: order.get(n.split("#")[0], 1)):
             self.stop(name)
 
 

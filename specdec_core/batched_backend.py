@@ -1,0 +1,297 @@
+"""A transformers causal LM as a `CacheBackend` whose KV caches live in one paged pool, so that
+requests of different sessions (each with its own cache length and its own number of new tokens)
+run through the model in one forward pass.
+
+How it works (the CPU path of transformers' continuous batching, with our own bookkeeping):
+- every layer has one preallocated pool of key slots and one of value slots,
+  `[num_blocks * block_size, kv_heads, head_dim]`; a session holds a list of blocks (its block
+  table) and a length. Position `p` of a session lives in slot `blocks[p // B] * B + p % B`.
+- a batch is flattened into one sequence `[1, total_new_tokens]` with each token's own position
+  id. For every layer the model calls `cache.update(k, v, layer)` on a per-batch view of the pool:
+  it writes the new keys/values into their slots (`index_copy_`) and gathers, for every session
+  in turn, its slots 0..start+n-1 (`index_select`), i.e. the keys of all sessions laid end to end.
+- the attention itself is the model's own (`sdpa` or `eager`), driven by a 4D additive mask
+  `[1, 1, total_new_tokens, total_keys]` that is block-diagonal (a query sees only its own
+  session's keys) and causal inside each block (key position <= query position). transformers
+  passes a 4D mask through untouched.
+Nothing is copied per step but the gathered keys/values of the sessions in the batch (what a
+paged-attention kernel reads anyway); crop and free only edit block tables.
+
+Why not transformers' `PagedAttentionCache` itself: it works on CPU (index-based update plus the
+same kind of dense block-diagonal mask, with `attn_implementation="sdpa"`), but building one
+probes device memory and sizes buffers through a resolved `ContinuousBatchingConfig`, takes its
+KV head count from the config (wrong under tensor parallelism unless a device mesh is plumbed in),
+and rolling a request back to an arbitrary length means editing its allocators' block tables and
+free pools by hand; that code was rewritten many times across the transformers versions this
+project accepts. The only transformers surface used here is the model's own
+`cache.update(...)` call and its acceptance of a ready 4D mask.
+
+Cost note: the mask and the attention scores are `total_new_tokens x total_keys`, so a batch
+pays for the cross-session blocks it masks out. Batches whose product exceeds
+`max_attention_elements` are run as several consecutive forward passes (groups of consecutive
+items); a single item always runs whole.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from specdec_core.errors import ResourceExhausted
+
+_SUPPORTED_ATTENTION = ("sdpa", "eager", "paged|eager")
+
+
+class PagedSequence:
+    """A handle: one session's block table and the number of tokens whose KV it holds."""
+
+    __slots__ = ("owner", "blocks", "length")
+
+    def __init__(self, owner: BatchedBackend):
+        self.owner = owner
+        self.blocks: list[int] = []
+        self.length = 0
+
+    def __repr__(self) -> str:
+        return f"PagedSequence(length={self.length}, blocks={len(self.blocks)})"
+
+
+class _BatchView:
+    """What the model sees as its cache during one forward pass: writes the new keys/values of
+    every layer into the pool and returns the keys/values of all sequences in the batch."""
+
+    is_compileable = False
+
+    def __init__(self, backend: BatchedBackend, write_index: torch.Tensor, read_index: torch.Tensor | None):
+        self.backend = backend
+        self.write_index = write_index  # [T] slots of the new tokens, in batch order
+        self.read_index = read_index  # [S] slots of every sequence's keys 0..end, or None: no past
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               cache_kwargs: Any = None, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states / value_states: [1, kv_heads, T, head_dim]
+        k_pool, v_pool = self.backend._pools(layer_idx, key_states)
+        k_pool.index_copy_(0, self.write_index, key_states[0].transpose(0, 1))
+        v_pool.index_copy_(0, self.write_index, value_states[0].transpose(0, 1))
+        if self.read_index is None:  # every sequence starts empty: the new keys are all its keys
+            return key_states, value_states
+        keys = k_pool.index_select(0, self.read_index).transpose(0, 1).unsqueeze(0)
+        values = v_pool.index_select(0, self.read_index).transpose(0, 1).unsqueeze(0)
+        return keys, values  # [1, kv_heads, S, head_dim]
+
+
+class BatchedBackend:
+    """`CacheBackend` over one paged KV pool, plus `forward_batch` for many sessions at once.
+
+    `max_tokens`: KV capacity in tokens over all sessions (rounded up to whole blocks); the pool
+    of each layer is created on the first forward pass with the model's dtype and device (and its
+    local number of KV heads, so a tensor-parallel shard holds only its heads).
+    """
+
+    name = "transformers-paged"
+
+    def __init__(self, model, max_tokens: int = 65536, block_size: int = 16,
+                 max_attention_elements: int = 1 << 22):
+        if max_tokens <= 0 or block_size <= 0:
+            raise ValueError(f"max_tokens and block_size must be positive, got {max_tokens}, {block_size}")
+        config = model.config
+        impl = getattr(config, "_attn_implementation", None) or "eager"
+        if impl not in _SUPPORTED_ATTENTION:
+            raise ValueError(
+                f"BatchedBackend drives attention with a 4D mask and needs attn_implementation in "
+                f"{_SUPPORTED_ATTENTION}, the model uses {impl!r}"
+            )
+        layer_types = getattr(config, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types) or (
+            not layer_types and getattr(config, "use_sliding_window", False)
+        ):
+            raise ValueError("BatchedBackend supports full-attention models only (no sliding window layers)")
+
+        param = next(model.parameters())
+        self.model = model
+        self.device = param.device
+        self.torch_dtype = param.dtype
+        self.dtype = str(param.dtype).removeprefix("torch.")
+        self.vocab_size = int(config.vocab_size)
+        self.max_context = int(getattr(config, "max_position_embeddings", 0) or 0)
+        self.block_size = int(block_size)
+        self.num_blocks = -(-int(max_tokens) // self.block_size)
+        self.max_tokens = self.num_blocks * self.block_size
+        self.max_attention_elements = int(max_attention_elements)
+        self._free_blocks = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._k_pools: dict[int, torch.Tensor] = {}
+        self._v_pools: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()  # guards the free list, block tables and pool creation
+
+    # ------------------------------------------------------------------------------------------
+    # CacheBackend
+
+    def allocate(self) -> PagedSequence:
+        return PagedSequence(self)
+
+    def crop(self, handle: PagedSequence, length: int) -> None:
+        """Forget every token after the first `length` (a no-op when the handle holds fewer)."""
+        self._check_handle(handle)
+        if length < 0:
+            raise ValueError(f"cannot crop to a negative length ({length})")
+        with self._lock:
+            if length < handle.length:
+                handle.length = length
+                self._trim_blocks(handle)
+
+    def free(self, handle: PagedSequence) -> None:
+        """Return all of the handle's blocks to the pool; the handle stays usable (empty)."""
+        self._check_handle(handle)
+        with self._lock:
+            handle.length = 0
+            self._trim_blocks(handle)
+
+    def forward(self, handle: PagedSequence, token_ids: list[int], start: int) -> torch.Tensor:
+        return self.forward_batch([(handle, token_ids, start)])[0]
+
+    # ------------------------------------------------------------------------------------------
+    # Batching
+
+    def forward_batch(self, items: list[tuple[PagedSequence, list[int], int]]) -> list[torch.Tensor]:
+        """Append each item's token_ids to its handle (which holds exactly `start` tokens) and
+        return, per item, the next-token logits of those tokens [len(token_ids), V] (float32).
+        All items run in one forward pass (unless the batch exceeds max_attention_elements).
+        All or nothing: on any error every handle is left as it was."""
+        seen: set[int] = set()
+        for handle, token_ids, start in items:
+            self._check_handle(handle)
+            if id(handle) in seen:
+                raise ValueError("the same handle appears twice in one batch")
+            seen.add(id(handle))
+            if handle.length != start:
+                raise ValueError(f"handle holds {handle.length} tokens, the request says start={start}")
+        with self._lock:
+            self._reserve_blocks(items)
+        try:
+            results: list[torch.Tensor | None] = [None] * len(items)
+            for group in self._groups(items):
+                for i, logits in zip(group, self._run([items[i] for i in group])):
+                    results[i] = logits
+            for handle, token_ids, start in items:
+                handle.length = start + len(token_ids)
+        except BaseException:
+            with self._lock:
+                for handle, _, start in items:
+                    handle.length = start
+                    self._trim_blocks(handle)
+            raise
+        empty = torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        return [empty if r is None else r for r in results]
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+    @property
+    def num_free_tokens(self) -> int:
+        return len(self._free_blocks) * self.block_size
+
+    # ------------------------------------------------------------------------------------------
+    # Internals
+
+    def _check_handle(self, handle: Any) -> None:
+        if not isinstance(handle, PagedSequence) or handle.owner is not self:
+            raise ValueError(f"{handle!r} is not a handle of this backend")
+
+    def _trim_blocks(self, handle: PagedSequence) -> None:
+        """Release the blocks beyond what handle.length needs (caller holds the lock)."""
+        keep = -(-handle.length // self.block_size)
+        if len(handle.blocks) > keep:
+            released = handle.blocks[keep:]
+            del handle.blocks[keep:]
+            self._free_blocks.extend(reversed(released))
+
+    def _reserve_blocks(self, items) -> None:
+        """Give every handle the blocks its new tokens need, or nothing at all (lock held)."""
+        needs = [max(0, -(-(start + len(ids)) // self.block_size) - len(h.blocks)) for h, ids, start in items]
+        total = sum(needs)
+        if total > len(self._free_blocks):
+            raise ResourceExhausted(
+                f"KV cache full: this batch needs {total} more blocks of {self.block_size} tokens, "
+                f"{len(self._free_blocks)} of {self.num_blocks} are free (capacity {self.max_tokens} tokens)"
+            )
+        for (handle, _, _), need in zip(items, needs):
+            for _ in range(need):
+                handle.blocks.append(self._free_blocks.pop())
+
+    def _groups(self, items) -> list[list[int]]:
+        """Consecutive runs of non-empty items whose mask (new tokens x keys) fits the budget."""
+        groups: list[list[int]] = []
+        current: list[int] = []
+        q_total = k_total = 0
+        for i, (_, token_ids, start) in enumerate(items):
+            n = len(token_ids)
+            if n == 0:
+                continue
+            q, k = q_total + n, k_total + start + n
+            if current and q * k > self.max_attention_elements:
+                groups.append(current)
+                current, q, k = [], n, start + n
+            current.append(i)
+            q_total, k_total = q, k
+        if current:
+            groups.append(current)
+        return groups
+
+    def _pools(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pool = self._k_pools.get(layer_idx)
+        if pool is None:
+            with self._lock:
+                if layer_idx not in self._k_pools:
+                    shape = (self.num_blocks * self.block_size, like.shape[1], like.shape[3])
+                    # torch.empty: on CPU the pages are only committed as they are written
+                    self._k_pools[layer_idx] = torch.empty(shape, dtype=like.dtype, device=like.device)
+                    self._v_pools[layer_idx] = torch.empty(shape, dtype=like.dtype, device=like.device)
+        return self._k_pools[layer_idx], self._v_pools[layer_idx]
+
+    @torch.inference_mode()
+    def _run(self, items) -> list[torch.Tensor]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions, q_seq, write, read, k_seq, k_pos = [], [], [], [], [], []
+        any_past = False
+        for i, (handle, token_ids, start) in enumerate(items):
+            n = len(token_ids)
+            end = start + n
+            input_ids.extend(token_ids)
+            pos = torch.arange(end)
+            slots = torch.tensor(handle.blocks, dtype=torch.long)[pos // bs] * bs + pos % bs
+            positions.append(pos[start:])
+            q_seq.append(torch.full((n,), i, dtype=torch.long))
+            write.append(slots[start:])
+            read.append(slots)
+            k_seq.append(torch.full((end,), i, dtype=torch.long))
+            k_pos.append(pos)
+            any_past = any_past or start > 0
+
+        dev = self.device
+        q_positions = torch.cat(positions).to(dev)
+        q_seq_t = torch.cat(q_seq).to(dev)
+        k_seq_t = torch.cat(k_seq).to(dev)
+        k_pos_t = torch.cat(k_pos).to(dev)
+        # Block-diagonal causal mask: a query sees the keys of its own sequence up to its position
+        allowed = (q_seq_t[:, None] == k_seq_t[None, :]) & (k_pos_t[None, :] <= q_positions[:, None])
+        mask = torch.zeros(allowed.shape, dtype=self.torch_dtype, device=dev)
+        mask.masked_fill_(~allowed, torch.finfo(self.torch_dtype).min)
+
+        view = _BatchView(
+            self,
+            write_index=torch.cat(write).to(dev),
+            read_index=torch.cat(read).to(dev) if any_past else None,
+        )
+        out = self.model(
+            input_ids=torch.tensor([input_ids], dtype=torch.long, device=dev),
+            position_ids=q_positions.unsqueeze(0),
+            attention_mask=mask[None, None],
+            cache=view,
+            use_cache=True,
+        )
+        logits = out.logits[0].float()  # [T, V]
+        return list(logits.split([len(ids) for _, ids, _ in items]))

@@ -1,0 +1,227 @@
+"""specdec_core.batched_backend: sessions with different cache lengths and different numbers of
+new tokens run through one forward pass and get the logits each would get alone (HFBackend)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdec_core.batched_backend import BatchedBackend
+from specdec_core.errors import ResourceExhausted
+from specdec_core.hf_backend import HFBackend
+
+VOCAB = 256
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def hf(model):
+    return HFBackend(model)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def alone(hf: HFBackend, chunks: list[list[int]]) -> list[torch.Tensor]:
+    """Each chunk's logits when the chunks are fed one after the other to a fresh HF session."""
+    cache, start, out = hf.allocate(), 0, []
+    for chunk in chunks:
+        out.append(hf.forward(cache, chunk, start))
+        start += len(chunk)
+    return out
+
+
+def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_single_session_prefill_then_decode(model, hf):
+    bb = BatchedBackend(model)
+    seq = tokens(30, seed=1)
+    chunks = [seq[:20], seq[20:21], seq[21:22], seq[22:26], seq[26:27], seq[27:30]]
+    want = alone(hf, chunks)
+    handle, start = bb.allocate(), 0
+    for chunk, ref in zip(chunks, want):
+        assert_same(bb.forward(handle, chunk, start), ref)
+        start += len(chunk)
+    assert handle.length == 30
+
+
+def test_ragged_batch_matches_each_session_alone(model, hf):
+    bb = BatchedBackend(model, block_size=8)
+    cached, new = [0, 5, 17, 40], [1, 3, 6, 20]
+    seqs = [tokens(c + n, seed=10 + i) for i, (c, n) in enumerate(zip(cached, new))]
+    handles = []
+    for seq, c in zip(seqs, cached):
+        handle = bb.allocate()
+        if c:
+            bb.forward(handle, seq[:c], 0)
+        handles.append(handle)
+    outs = bb.forward_batch([(h, seq[c:], c) for h, seq, c in zip(handles, seqs, cached)])
+    for out, seq, c in zip(outs, seqs, cached):
+        assert_same(out, alone(hf, [seq[:c], seq[c:]] if c else [seq])[-1])
+    assert [h.length for h in handles] == [len(s) for s in seqs]
+
+    # Next step: every session decodes/verifies again from where it is, in one batch
+    more = [tokens(k, seed=20 + i) for i, k in enumerate([2, 1, 9, 4])]
+    outs = bb.forward_batch([(h, m, h.length) for h, m in zip(handles, more)])
+    for out, seq, c, m in zip(outs, seqs, cached, more):
+        assert_same(out, alone(hf, [seq, m])[-1])
+
+
+def test_batch_of_fresh_prefills_and_empty_items(model, hf):
+    bb = BatchedBackend(model)
+    seqs = [tokens(n, seed=30 + n) for n in (7, 1, 33)]
+    handles = [bb.allocate() for _ in seqs]
+    items = [(h, s, 0) for h, s in zip(handles, seqs)]
+    items.insert(1, (bb.allocate(), [], 0))
+    outs = bb.forward_batch(items)
+    assert outs[1].shape == (0, VOCAB)
+    for out, seq in zip(outs[:1] + outs[2:], seqs):
+        assert_same(out, alone(hf, [seq])[0])
+
+
+def test_split_into_several_passes_gives_the_same_logits(model, hf):
+    bb = BatchedBackend(model, max_attention_elements=64)  # forces one pass per item
+    seqs = [tokens(n, seed=40 + n) for n in (12, 5, 9)]
+    handles = [bb.allocate() for _ in seqs]
+    for h, s in zip(handles, seqs):
+        bb.forward(h, s[:4], 0)
+    outs = bb.forward_batch([(h, s[4:], 4) for h, s in zip(handles, seqs)])
+    assert bb._groups([(h, s[4:], 4) for h, s in zip(handles, seqs)]) == [[0], [1], [2]]
+    for out, seq in zip(outs, seqs):
+        assert_same(out, alone(hf, [seq[:4], seq[4:]])[-1])
+
+
+def test_crop_then_refeed_equals_fresh_session(model, hf):
+    bb = BatchedBackend(model, block_size=4)
+    seq = tokens(25, seed=50)
+    handle = bb.allocate()
+    bb.forward(handle, seq, 0)
+    blocks_before = bb.num_free_blocks
+    bb.crop(handle, 9)  # mid-block: keeps blocks 0..2, releases the rest
+    assert handle.length == 9 and len(handle.blocks) == 3
+    assert bb.num_free_blocks == blocks_before + 7 - 3
+    bb.crop(handle, 50)  # longer than held: nothing happens
+    assert handle.length == 9
+    other = tokens(8, seed=51)
+    got = bb.forward(handle, other, 9)
+    assert_same(got, alone(hf, [seq[:9], other])[-1])
+    # Rolled back to 0 and reused: a brand-new sequence
+    bb.crop(handle, 0)
+    assert handle.blocks == []
+    assert_same(bb.forward(handle, other, 0), alone(hf, [other])[0])
+
+
+def test_free_releases_blocks_for_reuse(model, hf):
+    bb = BatchedBackend(model, max_tokens=64, block_size=16)  # 4 blocks
+    first, second = bb.allocate(), bb.allocate()
+    bb.forward(first, tokens(40, seed=60), 0)  # 3 blocks
+    assert bb.num_free_blocks == 1
+    seq = tokens(20, seed=61)
+    with pytest.raises(ResourceExhausted, match="KV cache full"):
+        bb.forward(second, seq, 0)  # needs 2
+    assert second.length == 0 and second.blocks == [] and bb.num_free_blocks == 1
+    # A failed batch leaves every handle as it was, including those that would have fit
+    third = bb.allocate()
+    with pytest.raises(ResourceExhausted):
+        bb.forward_batch([(third, tokens(3, seed=62), 0), (second, seq, 0)])
+    assert third.length == 0 and third.blocks == [] and bb.num_free_blocks == 1
+    bb.free(first)
+    assert bb.num_free_blocks == 4 and first.length == 0
+    assert_same(bb.forward(second, seq, 0), alone(hf, [seq])[0])
+    assert_same(bb.forward(first, seq[:5], 0), alone(hf, [seq[:5]])[0])  # freed handle is reusable
+
+
+def test_misuse_is_rejected(model):
+    bb = BatchedBackend(model)
+    handle = bb.allocate()
+    bb.forward(handle, [1, 2, 3], 0)
+    with pytest.raises(ValueError, match="start"):
+        bb.forward(handle, [4], 2)
+    with pytest.raises(ValueError, match="twice"):
+        bb.forward_batch([(handle, [4], 3), (handle, [5], 3)])
+    with pytest.raises(ValueError, match="not a handle"):
+        BatchedBackend(model).forward(handle, [4], 3)
+    assert handle.length == 3
+
+
+def test_batch_of_8_against_sequential(model, hf):
+    bb = BatchedBackend(model)
+    prompts = [tokens(30 + 3 * i, seed=70 + i) for i in range(8)]
+    blocks = [tokens(6, seed=80 + i) for i in range(8)]
+    handles, caches = [], []
+    for p in prompts:
+        h, c = bb.allocate(), hf.allocate()
+        bb.forward(h, p, 0)
+        hf.forward(c, p, 0)
+        handles.append(h)
+        caches.append(c)
+    t0 = time.perf_counter()
+    want = [hf.forward(c, b, len(p)) for c, b, p in zip(caches, blocks, prompts)]
+    t1 = time.perf_counter()
+    got = bb.forward_batch([(h, b, len(p)) for h, b, p in zip(handles, blocks, prompts)])
+    t2 = time.perf_counter()
+    for g, w in zip(got, want):
+        assert_same(g, w)
+    print(f"\n8 x 6 tokens: sequential HFBackend {1e3 * (t1 - t0):.1f} ms, "
+          f"one forward_batch {1e3 * (t2 - t1):.1f} ms, ratio {(t1 - t0) / (t2 - t1):.2f}x")
+
+
+def test_bfloat16_model_runs_in_its_dtype(model):
+    m16 = LlamaForCausalLM(model.config).eval()
+    m16.load_state_dict(model.state_dict())
+    m16 = m16.to(torch.bfloat16)
+    bb, hf16 = BatchedBackend(m16), HFBackend(m16)
+    seq = tokens(12, seed=90)
+    handle = bb.allocate()
+    bb.forward(handle, seq[:8], 0)
+    got = bb.forward_batch([(handle, seq[8:], 8), (bb.allocate(), seq[:3], 0)])
+    assert bb.dtype == "bfloat16" and got[0].dtype == torch.float32
+    torch.testing.assert_close(got[0], alone(hf16, [seq[:8], seq[8:]])[-1], atol=5e-2, rtol=0)
+    torch.testing.assert_close(got[1], alone(hf16, [seq[:3]])[0], atol=5e-2, rtol=0)
+
+
+def test_rejects_sliding_window_models():
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1)
+    model = LlamaForCausalLM(config).eval()
+    model.config.layer_types = ["full_attention", "sliding_attention"]
+    with pytest.raises(ValueError, match="sliding"):
+        BatchedBackend(model)
+
+
+@pytest.mark.parametrize("family", ["llama-eager", "qwen2"])
+def test_other_llama_family_setups(family):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(1)
+    if family == "qwen2":  # q/k/v biases, layer_types in the config
+        model = Qwen2ForCausalLM(Qwen2Config(**kwargs)).eval()
+    else:
+        model = LlamaForCausalLM._from_config(LlamaConfig(**kwargs), attn_implementation="eager").eval()
+    bb, ref = BatchedBackend(model), HFBackend(model)
+    long, short = tokens(20, seed=100), tokens(7, seed=101)
+    first = bb.allocate()
+    bb.forward(first, long[:12], 0)
+    outs = bb.forward_batch([(first, long[12:], 12), (bb.allocate(), short, 0)])
+    assert_same(outs[0], alone(ref, [long[:12], long[12:]])[-1])
+    assert_same(outs[1], alone(ref, [short])[0])
