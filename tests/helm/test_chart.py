@@ -248,8 +248,10 @@ def test_coordinator_points_at_the_rendered_services(releases, name):
     if not release.values["draft"]["enabled"]:
         assert dials.pop("draft") == ""
     for component, address in dials.items():
-        host, port = address.rsplit(":", 1)
+        assert address.startswith("dns:///"), "replicas are discovered through DNS"
+        host, port = address.removeprefix("dns:///").rsplit(":", 1)
         service = service_for(release, host, int(port))
+        assert service["spec"].get("clusterIP") == "None", "DNS discovery needs a headless Service"
         assert matches(service["spec"]["selector"], release.pod_labels(component))
     assert env["SPECDEC_TOKENIZER"]["value"] == (release.values["coordinator"]["tokenizer"]
                                                  or release.values["target"]["model"])

@@ -62,13 +62,14 @@ tag is used as is; otherwise the global tag (default: appVersion), plus the CUDA
 {{- end }}
 
 {{/* Service addresses the coordinator dials. */}}
+{{- /* dns:/// on a headless Service: the coordinator resolves every replica and routes sessions. */ -}}
 {{- define "specdec.targetAddress" -}}
-{{- printf "%s:%d" (include "specdec.componentName" (dict "ctx" . "component" "target")) (int .Values.target.port) }}
+{{- printf "dns:///%s:%d" (include "specdec.componentName" (dict "ctx" . "component" "target")) (int .Values.target.port) }}
 {{- end }}
 
 {{- define "specdec.draftAddress" -}}
 {{- if .Values.draft.enabled }}
-{{- printf "%s:%d" (include "specdec.componentName" (dict "ctx" . "component" "draft")) (int .Values.draft.port) }}
+{{- printf "dns:///%s:%d" (include "specdec.componentName" (dict "ctx" . "component" "draft")) (int .Values.draft.port) }}
 {{- end }}
 {{- end }}
 
