@@ -6,14 +6,17 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from specdec_core.security import TlsFiles
+from specdec_core.server import ServerOptions
+
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
-    host: str = "127.0.0.1"
-    port: int = 50050
+    server: ServerOptions
     target_address: str = "127.0.0.1:50052"
     draft_address: str = "127.0.0.1:50051"  # empty: no draft worker (n-gram or K = 0 only)
     redis_url: str = ""
+    redis_tls_ca: str = ""
     tokenizer: str = "smollm2"
     num_speculative_tokens: int = 5
     max_new_tokens: int = 256
@@ -21,8 +24,10 @@ class CoordinatorConfig:
     target_retry_s: float = 30.0
     draft_retry_s: float = 2.0
     startup_timeout_s: float = 600.0
-    max_workers: int = 32
-    log_level: str = "info"
+    max_concurrent_requests: int = 64
+    auth_tokens_file: str = ""
+    worker_tls: TlsFiles = TlsFiles()
+    worker_tls_server_name: str = ""
 
     def __post_init__(self):
         if not self.redis_url:
@@ -31,26 +36,28 @@ class CoordinatorConfig:
             raise ValueError("num_speculative_tokens must be in 0..32")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        if self.max_concurrent_requests < 1:
+            raise ValueError("max_concurrent_requests must be >= 1")
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> CoordinatorConfig:
         env = os.environ.get
         p = argparse.ArgumentParser(prog="specdec coordinator",
                                     description="Run the coordinator (public Generation API, speculative loop).")
-        p.add_argument("--host", default=env("SPECDEC_HOST", cls.host))
-        p.add_argument("--port", type=int, default=int(env("SPECDEC_PORT", cls.port)))
         p.add_argument("--target", default=env("SPECDEC_TARGET_ADDRESS", cls.target_address),
-                       help="target replicas: host:port[,host:port], file:///list, dns:///name:port, k8s:///ns/service:port")
+                       help="target replicas: host:port[,host:port], file:///list, dns:///name:port, "
+                            "k8s:///namespace/service:port")
         p.add_argument("--draft", default=env("SPECDEC_DRAFT_ADDRESS", cls.draft_address),
                        help="draft replicas, same forms as --target ('' for none)")
         p.add_argument("--redis-url", default=env("REDIS_URL", ""),
                        help="redis://[:password@]host:port/db, rediss:// for TLS, or unix:///path")
+        p.add_argument("--redis-tls-ca", default=env("SPECDEC_REDIS_TLS_CA", ""), help="CA for rediss://")
         p.add_argument("--tokenizer", default=env("SPECDEC_TOKENIZER", cls.tokenizer),
                        help="model reference whose tokenizer to use (the target's)")
         p.add_argument("--num-speculative-tokens", "-k", type=int, default=cls.num_speculative_tokens,
                        help="default K (draft tokens per round)")
         p.add_argument("--max-new-tokens", type=int, default=cls.max_new_tokens, help="default max_new_tokens")
-        p.add_argument("--session-ttl", type=int, default=cls.session_ttl_s,
+        p.add_argument("--session-ttl", type=int, default=int(env("SPECDEC_SESSION_TTL", cls.session_ttl_s)),
                        help="seconds an idle session is kept in Redis")
         p.add_argument("--target-retry", type=float, default=cls.target_retry_s,
                        help="seconds to keep retrying an unavailable target before UNAVAILABLE")
@@ -58,9 +65,21 @@ class CoordinatorConfig:
                        help="seconds to keep retrying an unavailable draft before decoding without it")
         p.add_argument("--startup-timeout", type=float, default=cls.startup_timeout_s,
                        help="seconds to wait for the target worker at start-up")
-        p.add_argument("--max-workers", type=int, default=cls.max_workers, help="gRPC handler threads")
-        p.add_argument("--log-level", default=env("SPECDEC_LOG_LEVEL", cls.log_level))
+        p.add_argument("--max-concurrent-requests", type=int,
+                       default=int(env("SPECDEC_MAX_CONCURRENT_REQUESTS", cls.max_concurrent_requests)),
+                       help="generations served at once; more get RESOURCE_EXHAUSTED")
+        p.add_argument("--auth-tokens-file", default=env("SPECDEC_AUTH_TOKENS_FILE", ""),
+                       help="require 'authorization: Bearer <token>' with a token from this file (one a line)")
+        p.add_argument("--worker-tls-cert", default=env("SPECDEC_WORKER_TLS_CERT", ""),
+                       help="client certificate for mutual TLS to the workers")
+        p.add_argument("--worker-tls-key", default=env("SPECDEC_WORKER_TLS_KEY", ""))
+        p.add_argument("--worker-tls-ca", default=env("SPECDEC_WORKER_TLS_CA", ""),
+                       help="CA that signed the workers' certificates (enables TLS to the workers)")
+        p.add_argument("--worker-tls-server-name", default=env("SPECDEC_WORKER_TLS_SERVER_NAME", ""),
+                       help="name to check in the workers' certificates (default: the address' host)")
+        ServerOptions.add_flags(p, "SPECDEC", port=50050, max_workers=32)
         a = p.parse_args(argv)
-        return cls(a.host, a.port, a.target, a.draft, a.redis_url, a.tokenizer, a.num_speculative_tokens,
-                   a.max_new_tokens, a.session_ttl, a.target_retry, a.draft_retry, a.startup_timeout,
-                   a.max_workers, a.log_level)
+        return cls(ServerOptions.from_args(a), a.target, a.draft, a.redis_url, a.redis_tls_ca, a.tokenizer,
+                   a.num_speculative_tokens, a.max_new_tokens, a.session_ttl, a.target_retry, a.draft_retry,
+                   a.startup_timeout, a.max_concurrent_requests, a.auth_tokens_file,
+                   TlsFiles(a.worker_tls_cert, a.worker_tls_key, a.worker_tls_ca), a.worker_tls_server_name)

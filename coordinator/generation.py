@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from coordinator.adaptive import AdaptiveK
 from coordinator.loop import Proposer, Verifier, run_round
 from coordinator.sessions import Session, SessionStore
 from coordinator.text import OutputText, TextCodec
-from specdec_core.errors import InvalidArgument, ResourceExhausted
+from specdec_core import metrics
+from specdec_core.errors import Cancelled, InvalidArgument, ResourceExhausted
+from specdec_core.logs import log_context
 from specdec_core.sampling import SamplingConfig, validate_sampling
 
 log = logging.getLogger(__name__)
@@ -93,6 +96,7 @@ class Limits:
     max_context: int
     default_max_new_tokens: int
     default_k: int
+    max_concurrent_requests: int = 64
 
 
 class Generation:
@@ -100,24 +104,32 @@ class Generation:
                  verifier: Verifier, limits: Limits, routes: dict[str, dict[str, str]] | None = None):
         self.store = store
         self.routes = routes if routes is not None else {}  # sessions in flight -> their replicas
+        self._slots = threading.BoundedSemaphore(limits.max_concurrent_requests)
         self.codec = codec
         self.proposer = proposer
         self.ngram = ngram
         self.verifier = verifier
         self.limits = limits
 
-    def run(self, req: GenerationRequest) -> Iterator[Chunk]:
+    def run(self, req: GenerationRequest, is_cancelled: Callable[[], bool] = lambda: False) -> Iterator[Chunk]:
         self._validate(req)
-        session = self.store.load(req.session_id) if req.session_id else self.store.new(req.seed)
-        lease = self.store.acquire(session.session_id)
-        self.routes[session.session_id] = session.routes  # routed workers update it in place
+        if not self._slots.acquire(blocking=False):
+            raise ResourceExhausted(
+                f"overloaded: {self.limits.max_concurrent_requests} generations in flight; retry with backoff")
         try:
-            yield from self._run(req, session)
+            session = self.store.load(req.session_id) if req.session_id else self.store.new(req.seed)
+            lease = self.store.acquire(session.session_id)
+            self.routes[session.session_id] = session.routes  # routed workers update it in place
+            try:
+                with log_context(session_id=session.session_id):
+                    yield from self._run(req, session, is_cancelled)
+            finally:
+                self.routes.pop(session.session_id, None)
+                self.store.release(session.session_id, lease)
         finally:
-            self.routes.pop(session.session_id, None)
-            self.store.release(session.session_id, lease)
+            self._slots.release()
 
-    def _run(self, req: GenerationRequest, session: Session) -> Iterator[Chunk]:
+    def _run(self, req: GenerationRequest, session: Session, is_cancelled: Callable[[], bool]) -> Iterator[Chunk]:
         started = time.perf_counter()
         input_ids = self._input_ids(req, session)
         room = self.limits.max_context - len(session.token_ids) - len(input_ids)
@@ -145,6 +157,8 @@ class Generation:
         stats = RequestStats()
         generated = 0
         while True:
+            if is_cancelled():
+                raise Cancelled("the client cancelled the request")
             remaining = max_new - generated
             k = adaptive.next_k() if adaptive else k_fixed
             k = max(0, min(k, remaining - 1, self.limits.max_context - len(session.token_ids) - 1))
@@ -169,6 +183,7 @@ class Generation:
             stats.last_k = k
             stats.wall_ms = (time.perf_counter() - started) * 1e3
             self._account(session, rnd, len(new_ids), out.text if req.messages is not None else None)
+            record_round(rnd, len(new_ids))
             if finish is not None:
                 text += out.flush()
                 session.stats.wall_ms += stats.wall_ms
@@ -250,3 +265,14 @@ class Generation:
         bad = [t for t in ids if not 0 <= t < self.limits.vocab_size]
         if bad:
             raise InvalidArgument(name, f"token id {bad[0]} outside the vocabulary [0, {self.limits.vocab_size})")
+
+
+def record_round(rnd, num_committed: int) -> None:
+    metrics.ROUNDS.inc()
+    metrics.TOKENS.inc(num_committed)
+    metrics.DRAFT_TOKENS.inc(rnd.num_drafted)
+    metrics.ACCEPTED_TOKENS.inc(rnd.num_accepted)
+    for position in range(rnd.num_accepted):
+        metrics.ACCEPTED_AT.labels(str(position)).inc()
+    metrics.ROUND_SECONDS.labels("draft").observe(rnd.draft_ms / 1e3)
+    metrics.ROUND_SECONDS.labels("verify").observe(rnd.verify_ms / 1e3)

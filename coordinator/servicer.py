@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from coordinator.generation import Chunk, Finish, Generation, GenerationRequest, Method, RequestStats
 from coordinator.sessions import SessionStats
+from coordinator.workers import request_deadline
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
 from specdec_core.errors import SpecdecError, grpc_errors
@@ -77,13 +79,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     @grpc_errors
     def GenerateStream(self, request, context):
-        for chunk in self.generation.run(request_from_proto(request.input)):
+        _propagate_deadline(context)
+        for chunk in self.generation.run(request_from_proto(request.input), lambda: not context.is_active()):
             yield chunk_to_proto(chunk)
 
     @grpc_errors
     def Generate(self, request, context):
+        _propagate_deadline(context)
         text, ids, last = [], [], None
-        for chunk in self.generation.run(request_from_proto(request.input)):
+        for chunk in self.generation.run(request_from_proto(request.input), lambda: not context.is_active()):
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
             last = chunk
@@ -119,3 +123,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     @grpc_errors
     def DescribeModels(self, request, context):
         return self.describe
+
+
+def _propagate_deadline(context) -> None:
+    remaining = context.time_remaining()
+    request_deadline.set(time.monotonic() + remaining if remaining is not None else None)

@@ -7,15 +7,18 @@ restarts in the meantime simply rebuilds its cache from the committed tokens eac
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
 from coordinator.loop import Draft, Verdict
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec_core.errors import (
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
@@ -31,18 +34,44 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, gr
               grpc.StatusCode.RESOURCE_EXHAUSTED}
 _MESSAGE_LIMIT = 64 * 1024 * 1024
 
+# The deadline (time.monotonic()) of the client request being served, so that worker calls made on
+# its behalf never outlive it: the client's deadline propagates to the workers.
+request_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("request_deadline", default=None)
+
+
+def call_timeout(default_s: float) -> float:
+    deadline = request_deadline.get()
+    if deadline is None:
+        return default_s
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise DeadlineExceeded("the request's deadline passed")
+    return min(default_s, remaining)
+
+
+@dataclass(frozen=True)
+class ChannelSettings:
+    credentials: grpc.ChannelCredentials | None = None  # None: plaintext
+    server_name: str = ""  # the name to check in the worker's certificate, if not the host
+
+    def open(self, address: str) -> grpc.Channel:
+        options = [("grpc.max_receive_message_length", _MESSAGE_LIMIT),
+                   ("grpc.max_send_message_length", _MESSAGE_LIMIT)]
+        if self.credentials is None:
+            return grpc.insecure_channel(address, options=options)
+        if self.server_name:
+            options.append(("grpc.ssl_target_name_override", self.server_name))
+        return grpc.secure_channel(address, self.credentials, options=options)
+
 
 class WorkerClient:
-    def __init__(self, role: str, address: str, timeout_s: float, retry_budget_s: float):
+    def __init__(self, role: str, address: str, timeout_s: float, retry_budget_s: float,
+                 channel: ChannelSettings = ChannelSettings()):
         self.role = role
         self.address = address
         self.timeout_s = timeout_s
         self.retry_budget_s = retry_budget_s
-        self.channel = grpc.insecure_channel(
-            address,
-            options=[("grpc.max_receive_message_length", _MESSAGE_LIMIT),
-                     ("grpc.max_send_message_length", _MESSAGE_LIMIT)],
-        )
+        self.channel = channel.open(address)
 
     def call(self, method: Callable, request, retry_budget_s: float | None = None):
         budget = self.retry_budget_s if retry_budget_s is None else retry_budget_s
@@ -50,7 +79,7 @@ class WorkerClient:
         delay = 0.05
         while True:
             try:
-                return method(request, timeout=self.timeout_s)
+                return method(request, timeout=call_timeout(self.timeout_s))
             except grpc.RpcError as err:
                 code, details = err.code(), err.details()
                 if code not in _RETRYABLE:
@@ -79,8 +108,9 @@ def _domain_error(role: str, code: grpc.StatusCode, details: str) -> SpecdecErro
 
 
 class DraftClient(WorkerClient):
-    def __init__(self, address: str, timeout_s: float = 60.0, retry_budget_s: float = 2.0):
-        super().__init__("draft", address, timeout_s, retry_budget_s)
+    def __init__(self, address: str, timeout_s: float = 60.0, retry_budget_s: float = 2.0,
+                 channel: ChannelSettings = ChannelSettings()):
+        super().__init__("draft", address, timeout_s, retry_budget_s, channel)
         self.stub = draft_pb2_grpc.DraftStub(self.channel)
 
     def propose(self, session_id, committed_ids, num_tokens, sampling: SamplingConfig, seed) -> Draft:
@@ -99,8 +129,9 @@ class DraftClient(WorkerClient):
 
 
 class TargetClient(WorkerClient):
-    def __init__(self, address: str, timeout_s: float = 120.0, retry_budget_s: float = 30.0):
-        super().__init__("target", address, timeout_s, retry_budget_s)
+    def __init__(self, address: str, timeout_s: float = 120.0, retry_budget_s: float = 30.0,
+                 channel: ChannelSettings = ChannelSettings()):
+        super().__init__("target", address, timeout_s, retry_budget_s, channel)
         self.stub = target_pb2_grpc.TargetStub(self.channel)
 
     def verify(self, session_id, committed_ids, draft: Draft, sampling: SamplingConfig, seed) -> Verdict:

@@ -10,7 +10,8 @@ from draft_service.proposer import ModelProposer
 from draft_service.servicer import DraftServicer
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 from specdec_core.kvcache import SessionCaches
-from specdec_core.server import create_server, serve, setup_logging
+from specdec_core.logs import setup_logging
+from specdec_core.server import create_server, serve
 
 log = logging.getLogger("draft_service")
 
@@ -35,14 +36,14 @@ def load_backend(cfg: DraftConfig):
 
 def main(argv: list[str] | None = None) -> None:
     cfg = DraftConfig.from_args(argv)
-    setup_logging(cfg.log_level)
+    setup_logging(cfg.server.log_level, cfg.server.log_format)
     backend = load_backend(cfg)
     max_sessions = cfg.max_sessions if cfg.resolved_backend == "llama.cpp" else None
-    caches = SessionCaches(backend, cfg.max_cache_tokens, max_sessions)
+    caches = SessionCaches(backend, cfg.max_cache_tokens, max_sessions, role="draft")
     proposer = ModelProposer(caches, backend.max_context, cfg.sparse_top)
-    server = create_server(cfg.max_workers)
+    server = create_server(cfg.server)
     draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(proposer, cfg.model), server)
-    serve(server, f"{cfg.host}:{cfg.port}", [draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
+    serve(server, cfg.server, [draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
 
 
 if __name__ == "__main__":

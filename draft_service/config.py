@@ -6,30 +6,27 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from specdec_core.server import ServerOptions
+
 BACKENDS = ("auto", "transformers", "llama.cpp")
 
 
 @dataclass(frozen=True)
 class DraftConfig:
+    server: ServerOptions
     model: str = "smollm2"
     backend: str = "auto"
     dtype: str = "float32"
     device: str = "cpu"
-    host: str = "127.0.0.1"
-    port: int = 50051
     max_cache_tokens: int = 65536
     max_sessions: int = 8
     context_tokens: int = 4096
     sparse_top: int = 64
     threads: int = 0
-    max_workers: int = 16
-    log_level: str = "info"
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.sparse_top < 1:
             raise ValueError("sparse_top must be >= 1")
 
@@ -57,8 +54,6 @@ class DraftConfig:
         p.add_argument("--backend", choices=BACKENDS, default=env("SPECDEC_DRAFT_BACKEND", cls.backend))
         p.add_argument("--dtype", default=env("SPECDEC_DRAFT_DTYPE", cls.dtype), help="transformers backend only")
         p.add_argument("--device", default=env("SPECDEC_DRAFT_DEVICE", cls.device), help="transformers backend only")
-        p.add_argument("--host", default=env("SPECDEC_DRAFT_HOST", cls.host))
-        p.add_argument("--port", type=int, default=int(env("SPECDEC_DRAFT_PORT", cls.port)))
         p.add_argument("--max-cache-tokens", type=int,
                        default=int(env("SPECDEC_DRAFT_MAX_CACHE_TOKENS", cls.max_cache_tokens)),
                        help="KV-cache budget in tokens over all sessions (LRU eviction beyond it)")
@@ -69,8 +64,7 @@ class DraftConfig:
         p.add_argument("--sparse-top", type=int, default=cls.sparse_top,
                        help="when sampling, draw from and send the top-N tokens of the draft distribution")
         p.add_argument("--threads", type=int, default=cls.threads, help="llama.cpp threads (0: all cores)")
-        p.add_argument("--max-workers", type=int, default=cls.max_workers, help="gRPC handler threads")
-        p.add_argument("--log-level", default=env("SPECDEC_LOG_LEVEL", cls.log_level))
+        ServerOptions.add_flags(p, "SPECDEC_DRAFT", port=50051)
         a = p.parse_args(argv)
-        return cls(a.model, a.backend, a.dtype, a.device, a.host, a.port, a.max_cache_tokens, a.max_sessions,
-                   a.context_tokens, a.sparse_top, a.threads, a.max_workers, a.log_level)
+        return cls(ServerOptions.from_args(a), a.model, a.backend, a.dtype, a.device, a.max_cache_tokens,
+                   a.max_sessions, a.context_tokens, a.sparse_top, a.threads)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec_core import metrics
 from specdec_core.errors import InvalidArgument
 from specdec_core.kvcache import SessionCaches
 from specdec_core.sampling import (
@@ -71,6 +72,7 @@ class ModelProposer:
                     if i + 1 < k:
                         logits = self.caches.extend(seq, [token])[-1]
             compute_ms = (time.perf_counter() - started) * 1e3
+        metrics.FORWARD_SECONDS.labels("draft").observe(compute_ms / 1e3)
         return Proposal(token_ids, dists, prefill, compute_ms)
 
     def _choose(self, logits: torch.Tensor, task: ProposeTask, position: int, dists: list[SparseDist]) -> int:

@@ -13,6 +13,8 @@ import logging
 
 import grpc
 
+from specdec_core import metrics
+
 log = logging.getLogger(__name__)
 
 
@@ -44,34 +46,63 @@ class Unavailable(SpecdecError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
-def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
+class DeadlineExceeded(SpecdecError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(SpecdecError):
+    code = grpc.StatusCode.CANCELLED
+
+
+class Unauthenticated(SpecdecError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+    code = exc.code if isinstance(exc, SpecdecError) else grpc.StatusCode.INTERNAL
+    metrics.REQUESTS.labels(method, code.name).inc()
     if isinstance(exc, SpecdecError):
-        context.abort(exc.code, str(exc))
-    log.exception("unhandled error in handler")
+        context.abort(code, str(exc))
+    log.exception("unhandled error in %s", method)
     context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see server log")
 
 
 def grpc_errors(handler):
-    """Map domain errors raised by a servicer method (unary or server-streaming) to status codes.
+    """Map domain errors raised by a servicer method (unary or server-streaming) to status codes,
+    and count every call by method and status.
 
     Handlers never call `context.abort` themselves, so every exception seen here is a real error.
     """
+    method = handler.__name__
+    in_flight = metrics.IN_FLIGHT.labels(method)
     if inspect.isgeneratorfunction(handler):
 
         @functools.wraps(handler)
         def stream_wrapper(self, request, context):
+            in_flight.inc()
             try:
                 yield from handler(self, request, context)
+                metrics.REQUESTS.labels(method, "OK").inc()
+            except GeneratorExit:  # the client went away; the stream is closed under us
+                metrics.REQUESTS.labels(method, "CANCELLED").inc()
+                raise
             except Exception as exc:  # noqa: BLE001 - every error must become a status
-                _abort(context, exc)
+                _abort(context, exc, method)
+            finally:
+                in_flight.dec()
 
         return stream_wrapper
 
     @functools.wraps(handler)
     def unary_wrapper(self, request, context):
+        in_flight.inc()
         try:
-            return handler(self, request, context)
+            response = handler(self, request, context)
+            metrics.REQUESTS.labels(method, "OK").inc()
+            return response
         except Exception as exc:  # noqa: BLE001
-            _abort(context, exc)
+            _abort(context, exc, method)
+        finally:
+            in_flight.dec()
 
     return unary_wrapper

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from specdec_core import metrics
 from specdec_core.errors import FailedPrecondition, ResourceExhausted
 
 
@@ -61,8 +62,9 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 class SessionCaches:
-    def __init__(self, backend: CacheBackend, max_tokens: int, max_sessions: int | None = None):
+    def __init__(self, backend: CacheBackend, max_tokens: int, max_sessions: int | None = None, role: str = "worker"):
         self.backend = backend
+        self.role = role
         self.max_tokens = max_tokens
         self.max_sessions = max_sessions  # for backends with a fixed number of sequence slots
         self._sequences: dict[str, CachedSequence] = {}
@@ -94,6 +96,8 @@ class SessionCaches:
                 seq.is_in_use = False
                 seq.last_used = time.monotonic()
                 self._evict_over_budget()
+                metrics.CACHE_TOKENS.labels(self.role).set(self.num_tokens)
+                metrics.CACHE_SESSIONS.labels(self.role).set(len(self._sequences))
 
     def extend(self, seq: CachedSequence, token_ids: list[int]) -> torch.Tensor:
         """Feed token_ids after the cached ones; their next-token logits [len, V]."""
@@ -128,6 +132,7 @@ class SessionCaches:
             raise ResourceExhausted(f"all {len(self._sequences)} cache slots are in use")
         for _, sid in idle[:count]:
             self.backend.free(self._sequences.pop(sid).handle)
+            metrics.CACHE_EVICTIONS.labels(self.role).inc()
 
     def _evict_over_budget(self) -> None:
         total = self.num_tokens
@@ -140,3 +145,4 @@ class SessionCaches:
             seq = self._sequences.pop(sid)
             total -= len(seq.token_ids)
             self.backend.free(seq.handle)
+            metrics.CACHE_EVICTIONS.labels(self.role).inc()

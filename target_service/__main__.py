@@ -14,7 +14,8 @@ from specdec.v1 import target_pb2, target_pb2_grpc
 from specdec_core.hf_backend import HFBackend
 from specdec_core.kvcache import SessionCaches
 from specdec_core.models import load_causal_lm
-from specdec_core.server import create_server, serve, setup_logging
+from specdec_core.logs import setup_logging
+from specdec_core.server import create_server, serve
 from target_service import tensor_parallel as tp
 from target_service.config import TargetConfig
 from target_service.servicer import TargetServicer
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.tensor_parallel_size),
                     "--standalone", "-m", "target_service", *argv]
         os.execv(sys.executable, torchrun)
-    setup_logging(cfg.log_level)
+    setup_logging(cfg.server.log_level, cfg.server.log_format)
     if tp.world_size() > 1:
         return serve_tensor_parallel(cfg)
     log.info("loading target model %s (%s on %s)", cfg.model, cfg.dtype, cfg.device)
@@ -61,10 +62,10 @@ def _die(exc: BaseException) -> None:
 
 
 def run_server(cfg: TargetConfig, backend) -> None:
-    verifier = Verifier(SessionCaches(backend, cfg.max_cache_tokens), backend.max_context)
-    server = create_server(cfg.max_workers)
+    verifier = Verifier(SessionCaches(backend, cfg.max_cache_tokens, role="target"), backend.max_context)
+    server = create_server(cfg.server)
     target_pb2_grpc.add_TargetServicer_to_server(TargetServicer(verifier, cfg.model, cfg.tensor_parallel_size), server)
-    serve(server, f"{cfg.host}:{cfg.port}", [target_pb2.DESCRIPTOR.services_by_name["Target"].full_name])
+    serve(server, cfg.server, [target_pb2.DESCRIPTOR.services_by_name["Target"].full_name])
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec_core import metrics
 from specdec_core.errors import InvalidArgument
 from specdec_core.kvcache import SessionCaches
 from specdec_core.sampling import (
@@ -61,6 +62,8 @@ class Verifier:
                 num_accepted, next_token = self._decide(task, logits, n)
                 self.caches.crop(seq, n + num_accepted)  # rejected drafts never stay cached
             compute_ms = (time.perf_counter() - started) * 1e3
+        metrics.FORWARD_SECONDS.labels("target").observe(compute_ms / 1e3)
+        metrics.VERIFY_BATCH.observe(1)
         return VerifyResult(num_accepted, next_token, prefill, compute_ms)
 
     def _decide(self, task: VerifyTask, logits: torch.Tensor, n: int) -> tuple[int, int]:

@@ -1,0 +1,34 @@
+"""Prometheus metrics shared by the services (each process exports only what it touches).
+
+Served on a separate HTTP port (`--metrics-port`, 0 = off) by `start_metrics_server`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+REQUESTS = Counter("specdec_requests_total", "gRPC requests by method and status code", ["method", "code"])
+IN_FLIGHT = Gauge("specdec_requests_in_flight", "requests being served (queue depth)", ["method"])
+
+TOKENS = Counter("specdec_generated_tokens_total", "tokens committed to sessions (output)")
+ROUNDS = Counter("specdec_rounds_total", "speculative rounds (target verify passes)")
+DRAFT_TOKENS = Counter("specdec_draft_tokens_total", "draft tokens proposed")
+ACCEPTED_TOKENS = Counter("specdec_accepted_tokens_total", "draft tokens accepted by the target")
+ACCEPTED_AT = Counter("specdec_accepted_by_position_total", "draft tokens accepted, by position in the block",
+                      ["position"])
+ROUND_SECONDS = Histogram("specdec_round_seconds", "round latency by phase", ["phase"], buckets=LATENCY_BUCKETS)
+
+VERIFY_BATCH = Histogram("specdec_verify_batch_size", "sessions verified in one forward pass",
+                         buckets=(1, 2, 4, 8, 16, 32, 64))
+FORWARD_SECONDS = Histogram("specdec_forward_seconds", "worker forward-pass latency", ["role"],
+                            buckets=LATENCY_BUCKETS)
+CACHE_TOKENS = Gauge("specdec_cache_tokens", "tokens held in worker KV caches", ["role"])
+CACHE_SESSIONS = Gauge("specdec_cache_sessions", "sessions with a worker KV cache", ["role"])
+CACHE_EVICTIONS = Counter("specdec_cache_evictions_total", "sessions evicted from worker KV caches", ["role"])
+
+
+def start_metrics_server(port: int, host: str = "0.0.0.0") -> None:
+    if port:
+        start_http_server(port, addr=host)

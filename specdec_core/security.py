@@ -1,0 +1,81 @@
+"""TLS, mutual TLS and bearer tokens.
+
+- The public endpoint: TLS with the server's certificate; clients authenticate with a bearer token
+  (`authorization: Bearer <token>` metadata), UNAUTHENTICATED otherwise.
+- Between coordinator and workers: mutual TLS. Workers require a client certificate signed by the
+  internal CA, so anything without it cannot call them.
+- Health checks are exempt from the token (Kubernetes probes send none) and can be served on a
+  separate plaintext port, since Kubernetes' gRPC probes do not speak TLS.
+Certificates are read from files (Kubernetes Secrets mounted as files).
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+REFLECTION_PREFIX = "/grpc.reflection."
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    cert: str = ""  # PEM certificate chain of this side
+    key: str = ""  # its private key
+    ca: str = ""  # CA to check the peer against (server: require client certs signed by it)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert and self.key)
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        ca = Path(self.ca).read_bytes() if self.ca else None
+        return grpc.ssl_server_credentials([(Path(self.key).read_bytes(), Path(self.cert).read_bytes())],
+                                           root_certificates=ca, require_client_auth=ca is not None)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=Path(self.ca).read_bytes() if self.ca else None,
+            private_key=Path(self.key).read_bytes() if self.key else None,
+            certificate_chain=Path(self.cert).read_bytes() if self.cert else None,
+        )
+
+
+def read_tokens(path: str) -> frozenset[str]:
+    """One token a line (a mounted Secret)."""
+    return frozenset(line.strip() for line in Path(path).read_text().splitlines() if line.strip())
+
+
+class BearerTokenInterceptor(grpc.ServerInterceptor):
+    def __init__(self, tokens: frozenset[str]):
+        self.tokens = tokens
+
+    def intercept_service(self, continuation, details):
+        method = details.method
+        if method.startswith(HEALTH_PREFIX) or method.startswith(REFLECTION_PREFIX):
+            return continuation(details)
+        header = dict(details.invocation_metadata or ()).get("authorization", "")
+        token = header[7:] if header[:7].lower() == "bearer " else ""
+        if token and any(hmac.compare_digest(token, t) for t in self.tokens):
+            return continuation(details)
+        return _deny(continuation(details))
+
+
+def _deny(handler):
+    message = "missing or invalid bearer token (metadata 'authorization: Bearer <token>')"
+
+    def unary(request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    def stream(request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover
+
+    if handler is None:
+        return None
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer, handler.response_serializer)
+    return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
