@@ -8,7 +8,6 @@ Run: pytest -m soak -o addopts="" tests/e2e/test_soak.py -s   (prints the summar
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -38,7 +37,6 @@ def committed(r: redis.Redis, session_id: str) -> list[int]:
     return [int(t) for t in r.lrange(f"specdec:session:{session_id}:ids", 0, -1)]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("locust") is None, reason="needs locust (pip install locust)")
 def test_soak_no_errors_no_lost_or_duplicated_tokens(stack, tmp_path, capsys):
     summary_path, record_path = tmp_path / "summary.json", tmp_path / "records.jsonl"
     # A subprocess: locust monkey-patches the standard library for gevent, which pytest must not get.
