@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         log.warning("draft vocabulary (%d) differs from the target's (%d)", draft_info.vocab_size,
                     target_info.vocab_size)
     limits = Limits(target_info.vocab_size, target_info.max_context, cfg.max_new_tokens, cfg.num_speculative_tokens,
-                    cfg.max_concurrent_requests)
+                    cfg.max_concurrent_requests, cfg.overlap)
     store = SessionStore(connect_redis(cfg.redis_url, cfg.redis_tls_ca), ttl_seconds=cfg.session_ttl_s)
     generation = Generation(store, codec, draft, NgramProposer(), target, limits, routes)
     describe = pb.DescribeModelsResponse(

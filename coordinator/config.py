@@ -25,6 +25,7 @@ class CoordinatorConfig:
     draft_retry_s: float = 2.0
     startup_timeout_s: float = 600.0
     max_concurrent_requests: int = 64
+    overlap: bool = True
     auth_tokens_file: str = ""
     worker_tls: TlsFiles = TlsFiles()
     worker_tls_server_name: str = ""
@@ -68,6 +69,8 @@ class CoordinatorConfig:
         p.add_argument("--max-concurrent-requests", type=int,
                        default=int(env("SPECDEC_MAX_CONCURRENT_REQUESTS", cls.max_concurrent_requests)),
                        help="generations served at once; more get RESOURCE_EXHAUSTED")
+        p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                       help="do not draft the next block while the target verifies (default: overlap)")
         p.add_argument("--auth-tokens-file", default=env("SPECDEC_AUTH_TOKENS_FILE", ""),
                        help="require 'authorization: Bearer <token>' with a token from this file (one a line)")
         p.add_argument("--worker-tls-cert", default=env("SPECDEC_WORKER_TLS_CERT", ""),
@@ -81,5 +84,5 @@ class CoordinatorConfig:
         a = p.parse_args(argv)
         return cls(ServerOptions.from_args(a), a.target, a.draft, a.redis_url, a.redis_tls_ca, a.tokenizer,
                    a.num_speculative_tokens, a.max_new_tokens, a.session_ttl, a.target_retry, a.draft_retry,
-                   a.startup_timeout, a.max_concurrent_requests, a.auth_tokens_file,
+                   a.startup_timeout, a.max_concurrent_requests, a.overlap, a.auth_tokens_file,
                    TlsFiles(a.worker_tls_cert, a.worker_tls_key, a.worker_tls_ca), a.worker_tls_server_name)

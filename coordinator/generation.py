@@ -12,10 +12,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from coordinator.adaptive import AdaptiveK
-from coordinator.loop import Proposer, Verifier, run_round
+from coordinator.loop import Proposer, Speculator, Verifier
 from coordinator.sessions import Session, SessionStore
 from coordinator.text import OutputText, TextCodec
 from specdec_core import metrics
@@ -56,6 +57,8 @@ class GenerationRequest:
     method: Method = Method.DEFAULT
     num_speculative_tokens: int | None = None
     adaptive: bool = False
+    overlap: bool | None = None  # None: the server default
+    min_draft_confidence: float = 0.0
     session_id: str = ""
 
 
@@ -97,6 +100,7 @@ class Limits:
     default_max_new_tokens: int
     default_k: int
     max_concurrent_requests: int = 64
+    overlap: bool = True
 
 
 class Generation:
@@ -105,6 +109,7 @@ class Generation:
         self.store = store
         self.routes = routes if routes is not None else {}  # sessions in flight -> their replicas
         self._slots = threading.BoundedSemaphore(limits.max_concurrent_requests)
+        self._prefetch = ThreadPoolExecutor(max_workers=limits.max_concurrent_requests, thread_name_prefix="prefetch")
         self.codec = codec
         self.proposer = proposer
         self.ngram = ngram
@@ -152,6 +157,10 @@ class Generation:
 
         proposer, k_fixed = self._drafting(req)
         adaptive = AdaptiveK(max_k=k_fixed or self.limits.default_k) if req.adaptive and proposer else None
+        overlap = self.limits.overlap if req.overlap is None else req.overlap
+        speculator = Speculator(session.session_id, req.sampling, session.seed, proposer, self.verifier,
+                                self._prefetch if overlap and proposer is self.proposer else None,
+                                req.min_draft_confidence)
         stop_ids = self.codec.eos_ids | set(req.stop_token_ids)
         out = OutputText(self.codec, req.stop)
         stats = RequestStats()
@@ -162,8 +171,7 @@ class Generation:
             remaining = max_new - generated
             k = adaptive.next_k() if adaptive else k_fixed
             k = max(0, min(k, remaining - 1, self.limits.max_context - len(session.token_ids) - 1))
-            rnd = run_round(session.session_id, session.token_ids, k, req.sampling, session.seed, proposer,
-                            self.verifier)
+            rnd = speculator.round(session.token_ids, k)
             if adaptive:
                 adaptive.observe(rnd.num_drafted, rnd.num_accepted, rnd.draft_ms, rnd.verify_ms)
             new_ids, finish = self._cut(rnd.new_ids, remaining, stop_ids)
@@ -256,6 +264,8 @@ class Generation:
         if req.max_new_tokens is not None and req.max_new_tokens < 1:
             raise InvalidArgument("max_new_tokens", f"must be >= 1, got {req.max_new_tokens}")
         k = req.num_speculative_tokens
+        if not 0.0 <= req.min_draft_confidence < 1.0:  # also rejects NaN
+            raise InvalidArgument("speculation.min_draft_confidence", f"must be in [0, 1), got {req.min_draft_confidence}")
         if k is not None and not 0 <= k <= MAX_K:
             raise InvalidArgument("speculation.num_speculative_tokens", f"must be in 0..{MAX_K}, got {k}")
         if len(req.session_id) > 128:

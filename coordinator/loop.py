@@ -1,4 +1,4 @@
-"""One round of speculative decoding, against small typed interfaces so that the loop runs the
+"""Rounds of speculative decoding, against small typed interfaces so that the loop runs the
 same in-process (tests) and over gRPC.
 
     draft  = proposer.propose(x, K)          # d[0..K) and, when sampling, q[0..K)
@@ -6,12 +6,19 @@ same in-process (tests) and over gRPC.
     x += d[0..a) + [next]
 
 K = 0 skips the draft: plain target decoding through the same path, the honest baseline.
+
+Overlap: while the target verifies block i, the draft already proposes K + 1 tokens after x + d,
+betting that all of d is accepted and that the bonus token will be the draft's own first guess.
+When the bet wins, the remaining K tokens are the next block, ready before it is needed. Because
+every draw is keyed by (seed, position, purpose), that block is exactly what a fresh proposal on
+the same prefix would have returned, so overlap never changes the output, sampled or greedy.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -40,7 +47,8 @@ class Verdict:
 
 class Proposer(Protocol):
     def propose(
-        self, session_id: str, committed_ids: list[int], num_tokens: int, sampling: SamplingConfig, seed: int
+        self, session_id: str, committed_ids: list[int], num_tokens: int, sampling: SamplingConfig, seed: int,
+        min_confidence: float = 0.0,
     ) -> Draft: ...
 
 
@@ -62,30 +70,62 @@ class Round:
     verify_ms: float
 
 
-def run_round(
-    session_id: str,
-    committed_ids: list[int],
-    k: int,
-    sampling: SamplingConfig,
-    seed: int,
-    proposer: Proposer | None,
-    verifier: Verifier,
-) -> Round:
-    started = time.perf_counter()
-    draft = NO_DRAFT
-    if k > 0 and proposer is not None:
+class Speculator:
+    """The rounds of one request: draft, verify, and (with an executor) the overlapped next draft."""
+
+    def __init__(self, session_id: str, sampling: SamplingConfig, seed: int, proposer: Proposer | None,
+                 verifier: Verifier, executor: Executor | None = None, min_confidence: float = 0.0):
+        self.session_id = session_id
+        self.sampling = sampling
+        self.seed = seed
+        self.proposer = proposer
+        self.verifier = verifier
+        self.executor = executor  # None: no overlap
+        self.min_confidence = min_confidence
+        self._prefetched: tuple[int, list[int], Draft] | None = None  # (length, tail, block) it assumed
+        self.prefetch_hits = 0
+
+    def round(self, committed_ids: list[int], k: int) -> Round:
+        started = time.perf_counter()
+        draft = self._take_prefetched(committed_ids, k)
+        if draft is None:
+            draft = self._propose(committed_ids, k) if k > 0 and self.proposer is not None else NO_DRAFT
+        pending = None
+        if self.executor is not None and draft.token_ids:
+            pending = self.executor.submit(self._propose, committed_ids + draft.token_ids, k + 1)
+        verify_started = time.perf_counter()
+        verdict = self.verifier.verify(self.session_id, committed_ids, draft, self.sampling, self.seed)
+        verified = time.perf_counter()
+        a = verdict.num_accepted
+        new_ids = draft.token_ids[:a] + [verdict.next_token_id]
+        if pending is not None:
+            bet = pending.result()
+            if a == len(draft.token_ids) and len(bet.token_ids) > 1 and bet.token_ids[0] == verdict.next_token_id:
+                after = committed_ids + new_ids
+                self._prefetched = (len(after), after[-8:], Draft(bet.token_ids[1:], bet.dists[1:]))
+        done = time.perf_counter()
+        return Round(
+            new_ids=new_ids,
+            num_drafted=len(draft.token_ids),
+            num_accepted=a,
+            draft_ms=(verify_started - started + done - verified) * 1e3,
+            verify_ms=(verified - verify_started) * 1e3,
+        )
+
+    def _propose(self, committed_ids: list[int], k: int) -> Draft:
         try:
-            draft = proposer.propose(session_id, committed_ids, k, sampling, seed)
+            return self.proposer.propose(self.session_id, committed_ids, k, self.sampling, self.seed,
+                                         self.min_confidence)
         except SpecdecError as exc:  # the draft is an optimisation: without it, decode plainly
             log.warning("draft failed, verifying without draft this round: %s", exc)
-    verify_started = time.perf_counter()
-    verdict = verifier.verify(session_id, committed_ids, draft, sampling, seed)
-    done = time.perf_counter()
-    a = verdict.num_accepted
-    return Round(
-        new_ids=draft.token_ids[:a] + [verdict.next_token_id],
-        num_drafted=len(draft.token_ids),
-        num_accepted=a,
-        draft_ms=(verify_started - started) * 1e3,
-        verify_ms=(done - verify_started) * 1e3,
-    )
+            return NO_DRAFT
+
+    def _take_prefetched(self, committed_ids: list[int], k: int) -> Draft | None:
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is None or k == 0:
+            return None
+        length, tail, draft = prefetched
+        if len(committed_ids) != length or committed_ids[-len(tail):] != tail:
+            return None  # the round was cut short (stop condition); the bet no longer applies
+        self.prefetch_hits += 1
+        return Draft(draft.token_ids[:k], draft.dists[:k], draft.compute_ms)

@@ -16,7 +16,8 @@ class NgramProposer:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def propose(self, session_id: str, committed_ids: list[int], num_tokens: int, sampling, seed: int) -> Draft:
+    def propose(self, session_id: str, committed_ids: list[int], num_tokens: int, sampling, seed: int,
+                min_confidence: float = 0.0) -> Draft:
         tokens = lookup(committed_ids, num_tokens, self.max_ngram, self.min_ngram)
         dists = [] if sampling.is_greedy else [([t], [1.0]) for t in tokens]
         return Draft(tokens, dists, 0.0)

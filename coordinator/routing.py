@@ -231,9 +231,10 @@ class Routed:
         self.role = pool.role
         self.routes = routes
 
-    def propose(self, session_id, committed_ids, num_tokens, sampling, seed):
+    def propose(self, session_id, committed_ids, num_tokens, sampling, seed, min_confidence=0.0):
         return self.pool.call(session_id, self.routes.setdefault(session_id, {}),
-                              lambda c: c.propose(session_id, committed_ids, num_tokens, sampling, seed))
+                              lambda c: c.propose(session_id, committed_ids, num_tokens, sampling, seed,
+                                                  min_confidence))
 
     def verify(self, session_id, committed_ids, draft, sampling, seed):
         return self.pool.call(session_id, self.routes.setdefault(session_id, {}),

@@ -46,6 +46,8 @@ def request_from_proto(msg: pb.GenerationInput) -> GenerationRequest:
         method=_METHODS.get(spec.method, Method.DEFAULT),
         num_speculative_tokens=spec.num_speculative_tokens if spec.HasField("num_speculative_tokens") else None,
         adaptive=spec.adaptive,
+        overlap=spec.overlap if spec.HasField("overlap") else None,
+        min_draft_confidence=spec.min_draft_confidence,
         session_id=msg.session_id,
     )
 

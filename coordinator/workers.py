@@ -113,10 +113,11 @@ class DraftClient(WorkerClient):
         super().__init__("draft", address, timeout_s, retry_budget_s, channel)
         self.stub = draft_pb2_grpc.DraftStub(self.channel)
 
-    def propose(self, session_id, committed_ids, num_tokens, sampling: SamplingConfig, seed) -> Draft:
+    def propose(self, session_id, committed_ids, num_tokens, sampling: SamplingConfig, seed,
+                min_confidence: float = 0.0) -> Draft:
         response = self.call(self.stub.Propose, draft_pb2.ProposeRequest(
             session_id=session_id, committed_ids=committed_ids, num_tokens=num_tokens,
-            sampling=sampling_to_proto(sampling), seed=seed,
+            sampling=sampling_to_proto(sampling), seed=seed, min_confidence=min_confidence,
         ))
         dists = [(list(d.token_ids), list(d.probs)) for d in response.distributions]
         return Draft(list(response.token_ids), dists, response.compute_ms)

@@ -37,6 +37,7 @@ class ProposeTask:
     num_tokens: int
     sampling: SamplingConfig
     seed: int = 0
+    min_confidence: float = 0.0  # stop the block when the next token's draft probability is lower
 
 
 @dataclass(frozen=True)
@@ -67,21 +68,31 @@ class ModelProposer:
                 prefill = n - len(seq.token_ids)
                 logits = self.caches.extend(seq, task.committed_ids[len(seq.token_ids):])[-1]  # [V]
                 for i in range(k):
-                    token = self._choose(logits, task, n + i, dists)
+                    token, confidence, dist = self._choose(logits, task, n + i)
+                    if i > 0 and confidence < task.min_confidence:
+                        break
                     token_ids.append(token)
+                    if dist is not None:
+                        dists.append(dist)
                     if i + 1 < k:
                         logits = self.caches.extend(seq, [token])[-1]
             compute_ms = (time.perf_counter() - started) * 1e3
         metrics.FORWARD_SECONDS.labels("draft").observe(compute_ms / 1e3)
         return Proposal(token_ids, dists, prefill, compute_ms)
 
-    def _choose(self, logits: torch.Tensor, task: ProposeTask, position: int, dists: list[SparseDist]) -> int:
+    def _choose(self, logits: torch.Tensor, task: ProposeTask, position: int) -> tuple[int, float, SparseDist | None]:
+        """(token, the draft's confidence, the sparse distribution the token was drawn from).
+
+        Confidence is the draft's largest probability at this position, known before the draw:
+        stopping a block on it never conditions a sent token on its own value, which would bias
+        the tokens against the distributions sent with them."""
         if task.sampling.is_greedy:
-            return int(logits.argmax())
+            token = int(logits.argmax())
+            confidence = float(torch.softmax(logits.double(), -1)[token]) if task.min_confidence > 0 else 1.0
+            return token, confidence, None
         ids, probs = truncate_top(process_logits(logits[None], task.sampling)[0], self.sparse_top)
-        dists.append((ids, probs))
-        u = keyed_uniform(task.seed, position, Purpose.DRAFT)
-        return int(ids[sample_index(torch.tensor(probs, dtype=torch.float64), u)])
+        i = sample_index(torch.tensor(probs, dtype=torch.float64), keyed_uniform(task.seed, position, Purpose.DRAFT))
+        return int(ids[i]), max(probs), (ids, probs)
 
     def _validate(self, task: ProposeTask) -> None:
         if not task.session_id:

@@ -22,6 +22,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                 num_tokens=request.num_tokens,
                 sampling=sampling_from_proto(request.sampling),
                 seed=request.seed,
+                min_confidence=request.min_confidence,
             )
         )
         return draft_pb2.ProposeResponse(

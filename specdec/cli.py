@@ -91,6 +91,10 @@ def _generation_flags(p: argparse.ArgumentParser, max_new_tokens: int | None = N
                    help="drafting method; none = plain target decoding")
     p.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=None, help="draft tokens per round")
     p.add_argument("--adaptive", action="store_true", help="choose K per round from the measured acceptance")
+    p.add_argument("--no-overlap", dest="overlap", action="store_const", const=False, default=None,
+                   help="do not draft the next block while the target verifies this one")
+    p.add_argument("--min-draft-confidence", type=float, default=0.0,
+                   help="end a draft block when the draft's confidence falls below this")
 
 
 def _stack_flags(p: argparse.ArgumentParser) -> None:
@@ -103,7 +107,8 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
 
 def _gen_kwargs(a: argparse.Namespace) -> dict:
     return dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                seed=a.seed, stop=a.stop, draft=a.draft, k=a.k, adaptive=a.adaptive)
+                seed=a.seed, stop=a.stop, draft=a.draft, k=a.k, adaptive=a.adaptive, overlap=a.overlap,
+                min_draft_confidence=a.min_draft_confidence)
 
 
 def stream_to_terminal(client: Client, prompt, quiet: bool = False, **kwargs) -> dict:

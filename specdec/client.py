@@ -44,6 +44,8 @@ def build_input(
     draft: str = "default",
     k: int | None = None,
     adaptive: bool = False,
+    overlap: bool | None = None,
+    min_draft_confidence: float = 0.0,
     session_id: str = "",
 ) -> pb.GenerationInput:
     """prompt: text (sent raw, or as one user message with chat=True), chat messages
@@ -70,6 +72,9 @@ def build_input(
         msg.max_new_tokens = max_new_tokens
     msg.speculation.method = DRAFT_METHODS[draft]
     msg.speculation.adaptive = adaptive
+    msg.speculation.min_draft_confidence = min_draft_confidence
+    if overlap is not None:
+        msg.speculation.overlap = overlap
     if k is not None:
         msg.speculation.num_speculative_tokens = k
     return msg

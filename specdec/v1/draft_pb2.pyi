@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "committed_ids", "num_tokens", "sampling", "seed")
+    __slots__ = ("session_id", "committed_ids", "num_tokens", "sampling", "seed", "min_confidence")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     committed_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     sampling: _common_pb2.SamplingParams
     seed: int
-    def __init__(self, session_id: _Optional[str] = ..., committed_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+    min_confidence: float
+    def __init__(self, session_id: _Optional[str] = ..., committed_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., min_confidence: _Optional[float] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("token_ids", "distributions", "prefill_tokens", "compute_ms")

@@ -53,14 +53,18 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("method", "num_speculative_tokens", "adaptive")
+    __slots__ = ("method", "num_speculative_tokens", "adaptive", "overlap", "min_draft_confidence")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    MIN_DRAFT_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     method: DraftMethod
     num_speculative_tokens: int
     adaptive: bool
-    def __init__(self, method: _Optional[_Union[DraftMethod, str]] = ..., num_speculative_tokens: _Optional[int] = ..., adaptive: _Optional[bool] = ...) -> None: ...
+    overlap: bool
+    min_draft_confidence: float
+    def __init__(self, method: _Optional[_Union[DraftMethod, str]] = ..., num_speculative_tokens: _Optional[int] = ..., adaptive: _Optional[bool] = ..., overlap: _Optional[bool] = ..., min_draft_confidence: _Optional[float] = ...) -> None: ...
 
 class GenerationInput(_message.Message):
     __slots__ = ("prompt", "messages", "token_ids", "sampling", "max_new_tokens", "stop", "stop_token_ids", "speculation", "session_id")

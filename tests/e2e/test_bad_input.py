@@ -42,6 +42,7 @@ def status_of(call) -> tuple[grpc.StatusCode, str]:
         ([5, 49152], {}, "token_ids"),
         ([5, -1], {}, "token_ids"),
         ("hi", {"k": 33}, "speculation.num_speculative_tokens"),
+        ("hi", {"min_draft_confidence": 1.5}, "speculation.min_draft_confidence"),
         ("hi", {"stop": [""]}, "stop"),
         ("hi", {"stop_token_ids": [10**7]}, "stop_token_ids"),
         ([{"role": "wizard", "content": "x"}], {}, "messages[0].role"),

@@ -29,9 +29,10 @@ def committed_in_redis(stack, session_id: str) -> list[int]:
 
 @pytest.mark.lossless
 @pytest.mark.parametrize("k", [0, 1, 4, 8])
-def test_greedy_identical_to_target_alone(client, hf_greedy, k):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_greedy_identical_to_target_alone(client, hf_greedy, k, overlap):
     for ids in PROMPT_IDS:
-        result = client.generate(ids, max_new_tokens=40, k=k)
+        result = client.generate(ids, max_new_tokens=40, k=k, overlap=overlap)
         assert result.token_ids == hf_greedy(ids, 40)
         if k:
             assert result.stats["drafted"] > 0
@@ -52,10 +53,20 @@ def test_seeded_sampling_is_reproducible(client):
     kwargs = dict(max_new_tokens=30, temperature=0.9, top_k=50, top_p=0.95, seed=1234, k=4)
     first = client.generate(PROMPT_IDS[0], **kwargs)
     second = client.generate(PROMPT_IDS[0], **kwargs)
+    no_overlap = client.generate(PROMPT_IDS[0], **kwargs, overlap=False)
     other_seed = client.generate(PROMPT_IDS[0], **{**kwargs, "seed": 99})
-    assert first.token_ids == second.token_ids
+    assert first.token_ids == second.token_ids == no_overlap.token_ids  # keyed draws: overlap changes nothing
     assert other_seed.token_ids != first.token_ids
     assert first.stats["drafted"] > 0
+
+
+@pytest.mark.lossless
+def test_adaptive_k_and_confidence_stop_are_lossless(client, hf_greedy):
+    for ids in PROMPT_IDS:
+        adaptive = client.generate(ids, max_new_tokens=40, k=6, adaptive=True)
+        confident = client.generate(ids, max_new_tokens=40, k=6, min_draft_confidence=0.6)
+        assert adaptive.token_ids == confident.token_ids == hf_greedy(ids, 40)
+        assert confident.stats["drafted"] < 6 * confident.stats["rounds"]  # blocks were cut short
 
 
 def test_stream_delivers_rounds_and_persists_before_sending(client, tiny_stack):

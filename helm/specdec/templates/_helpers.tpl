@@ -101,16 +101,14 @@ the env var defined just before REDIS_URL. */}}
   value: /cache/specdec
 - name: SPECDEC_LOG_LEVEL
   value: {{ .Values.logLevel | quote }}
+- name: SPECDEC_LOG_FORMAT
+  value: {{ .Values.logFormat | quote }}
 {{- if .Values.models.hfToken.existingSecret }}
 - name: HF_TOKEN
   valueFrom:
     secretKeyRef:
       name: {{ .Values.models.hfToken.existingSecret }}
       key: {{ .Values.models.hfToken.key }}
-{{- end }}
-{{- if .Values.monitoring.serviceMonitor.enabled }}
-- name: SPECDEC_METRICS_PORT
-  value: {{ .Values.metrics.port | quote }}
 {{- end }}
 {{- end }}
 
@@ -244,5 +242,206 @@ topologySpreadConstraints:
 {{- $a := .Values.coordinator.autoscaling }}
 {{- if and $a.enabled (lt (int $a.maxReplicas) (int $a.minReplicas)) }}
 {{- fail (printf "coordinator.autoscaling.maxReplicas (%d) must be >= minReplicas (%d)" (int $a.maxReplicas) (int $a.minReplicas)) }}
+{{- end }}
+{{- $tls := .Values.tls }}
+{{- if and $tls.enabled (not $tls.public.existingSecret) (not $tls.internal.existingSecret) }}
+{{- fail "tls.enabled needs tls.public.existingSecret (the coordinator's API) and/or tls.internal.existingSecret (mutual TLS to the workers)" }}
+{{- end }}
+{{- if and .Values.monitoring.serviceMonitor.enabled (not .Values.metrics.enabled) }}
+{{- fail "monitoring.serviceMonitor.enabled needs metrics.enabled" }}
+{{- end }}
+{{- $lt := .Values.loadtest }}
+{{- if $lt.enabled }}
+{{- if include "specdec.publicTls" . }}
+{{- fail "loadtest.enabled: the locust user speaks plaintext gRPC, the coordinator TLS (tls.public); turn one off" }}
+{{- end }}
+{{- if .Values.auth.existingSecret }}
+{{- fail "loadtest.enabled: the locust user sends no bearer token, the coordinator requires one (auth.existingSecret); turn one off" }}
+{{- end }}
+{{- end }}
+{{- range $component := list "coordinator" "draft" "target" }}
+{{- $v := index $.Values $component }}
+{{- $ports := list (int $v.port) }}
+{{- if $.Values.metrics.enabled }}{{ $ports = append $ports (int $.Values.metrics.port) }}{{ end }}
+{{- if include "specdec.serverTls" (dict "ctx" $ "component" $component) }}{{ $ports = append $ports (int $.Values.health.port) }}{{ end }}
+{{- if ne (len $ports) (len (uniq $ports)) }}
+{{- fail (printf "%s: its gRPC, metrics and health ports must differ, got %v" $component $ports) }}
+{{- end }}
+{{- end }}
+{{- range $component := list "coordinator" "draft" "target" }}
+{{- $v := index $.Values $component }}
+{{- if not (kindIs "invalid" $v.terminationGracePeriodSeconds) }}
+{{- $floor := addf $.Values.shutdown.preStopSleepSeconds $v.drainSeconds }}
+{{- if le (float64 $v.terminationGracePeriodSeconds) $floor }}
+{{- fail (printf "%s.terminationGracePeriodSeconds (%v) must exceed shutdown.preStopSleepSeconds + %s.drainSeconds (%v), or in-flight calls are killed; leave it null to derive it" $component $v.terminationGracePeriodSeconds $component $floor) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Where Secrets are mounted (read-only) in the specdec containers. */}}
+{{- define "specdec.tlsPublicDir" -}}/etc/specdec/tls/public{{- end }}
+{{- define "specdec.tlsInternalDir" -}}/etc/specdec/tls/internal{{- end }}
+{{- define "specdec.authDir" -}}/etc/specdec/auth{{- end }}
+{{- define "specdec.redisCaDir" -}}/etc/specdec/redis-tls{{- end }}
+
+{{/* "true" when the coordinator's public port speaks TLS, else empty. */}}
+{{- define "specdec.publicTls" -}}
+{{- if and .Values.tls.enabled .Values.tls.public.existingSecret }}true{{ end }}
+{{- end }}
+
+{{/* "true" when coordinator and workers talk mutual TLS, else empty. */}}
+{{- define "specdec.internalTls" -}}
+{{- if and .Values.tls.enabled .Values.tls.internal.existingSecret }}true{{ end }}
+{{- end }}
+
+{{/* "true" when the component's gRPC port speaks TLS: (dict "ctx" $ "component" "draft") */}}
+{{- define "specdec.serverTls" -}}
+{{- if eq .component "coordinator" }}{{ include "specdec.publicTls" .ctx }}{{ else }}{{ include "specdec.internalTls" .ctx }}{{ end }}
+{{- end }}
+
+{{/* The port the probes use: the gRPC port, or the plaintext health port when that speaks TLS.
+(dict "ctx" $ "component" "draft" "port" 50051) */}}
+{{- define "specdec.probePort" -}}
+{{- if include "specdec.serverTls" . }}{{ .ctx.Values.health.port }}{{ else }}{{ .port }}{{ end }}
+{{- end }}
+
+{{/* Flags every specdec server gets: drain, metrics and its own TLS.
+(dict "ctx" $ "component" "draft" "values" .Values.draft) */}}
+{{- define "specdec.serverArgs" -}}
+{{- $ctx := .ctx }}
+- --drain-seconds={{ .values.drainSeconds }}
+{{- if $ctx.Values.metrics.enabled }}
+- --metrics-port={{ $ctx.Values.metrics.port }}
+{{- end }}
+{{- if include "specdec.serverTls" . }}
+{{- $dir := ternary (include "specdec.tlsPublicDir" $ctx) (include "specdec.tlsInternalDir" $ctx) (eq .component "coordinator") }}
+- --tls-cert={{ $dir }}/tls.crt
+- --tls-key={{ $dir }}/tls.key
+{{- if ne .component "coordinator" }}
+- --tls-client-ca={{ $dir }}/ca.crt
+{{- end }}
+- --health-port={{ $ctx.Values.health.port }}
+{{- end }}
+{{- end }}
+
+{{/* Container ports besides grpc: metrics and, with TLS, health. (dict "ctx" $ "component" "draft") */}}
+{{- define "specdec.extraPorts" -}}
+{{- if .ctx.Values.metrics.enabled }}
+- name: metrics
+  containerPort: {{ .ctx.Values.metrics.port }}
+  protocol: TCP
+{{- end }}
+{{- if include "specdec.serverTls" . }}
+- name: health
+  containerPort: {{ .ctx.Values.health.port }}
+  protocol: TCP
+{{- end }}
+{{- end }}
+
+{{/* The metrics Service port. */}}
+{{- define "specdec.metricsServicePort" -}}
+{{- if .Values.metrics.enabled }}
+- name: metrics
+  port: {{ .Values.metrics.port }}
+  targetPort: metrics
+  protocol: TCP
+{{- end }}
+{{- end }}
+
+{{/* Secret mounts of a specdec container: (dict "ctx" $ "component" "coordinator") */}}
+{{- define "specdec.secretVolumeMounts" -}}
+{{- $ctx := .ctx }}
+{{- if and (eq .component "coordinator") (include "specdec.publicTls" $ctx) }}
+- name: tls-public
+  mountPath: {{ include "specdec.tlsPublicDir" $ctx }}
+  readOnly: true
+{{- end }}
+{{- if include "specdec.internalTls" $ctx }}
+- name: tls-internal
+  mountPath: {{ include "specdec.tlsInternalDir" $ctx }}
+  readOnly: true
+{{- end }}
+{{- if eq .component "coordinator" }}
+{{- if $ctx.Values.auth.existingSecret }}
+- name: auth-tokens
+  mountPath: {{ include "specdec.authDir" $ctx }}
+  readOnly: true
+{{- end }}
+{{- if include "specdec.redisTlsCa" $ctx }}
+- name: redis-tls-ca
+  mountPath: {{ include "specdec.redisCaDir" $ctx }}
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret volumes behind specdec.secretVolumeMounts; each key is projected to a fixed file
+name, so a missing key stops the pod from starting with a clear event. */}}
+{{- define "specdec.secretVolumes" -}}
+{{- $ctx := .ctx }}
+{{- if and (eq .component "coordinator") (include "specdec.publicTls" $ctx) }}
+- name: tls-public
+  secret:
+    secretName: {{ $ctx.Values.tls.public.existingSecret }}
+    defaultMode: 0440
+    items:
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+{{- end }}
+{{- if include "specdec.internalTls" $ctx }}
+- name: tls-internal
+  secret:
+    secretName: {{ $ctx.Values.tls.internal.existingSecret }}
+    defaultMode: 0440
+    items:
+      - {key: ca.crt, path: ca.crt}
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+{{- end }}
+{{- if eq .component "coordinator" }}
+{{- with $ctx.Values.auth.existingSecret }}
+- name: auth-tokens
+  secret:
+    secretName: {{ . }}
+    defaultMode: 0440
+    items:
+      - {key: {{ $ctx.Values.auth.key }}, path: tokens}
+{{- end }}
+{{- if include "specdec.redisTlsCa" $ctx }}
+- name: redis-tls-ca
+  secret:
+    secretName: {{ $ctx.Values.redis.external.tlsCA.existingSecret }}
+    defaultMode: 0440
+    items:
+      - {key: {{ $ctx.Values.redis.external.tlsCA.key }}, path: ca.crt}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* "true" when the coordinator checks an external Redis' certificate against a CA from a Secret. */}}
+{{- define "specdec.redisTlsCa" -}}
+{{- $r := .Values.redis }}
+{{- if and (eq $r.mode "external") $r.external.tls $r.external.tlsCA.existingSecret }}true{{ end }}
+{{- end }}
+
+{{/* Graceful shutdown of a specdec pod: (dict "ctx" $ "values" .Values.draft)
+terminationGracePeriodSeconds (derived unless set) and the container's preStop sleep. */}}
+{{- define "specdec.terminationGracePeriod" -}}
+{{- $v := .values }}
+{{- $s := .ctx.Values.shutdown }}
+{{- if kindIs "invalid" $v.terminationGracePeriodSeconds }}
+{{- add (int $s.preStopSleepSeconds) (int (ceil $v.drainSeconds)) (int $s.marginSeconds) }}
+{{- else }}
+{{- int $v.terminationGracePeriodSeconds }}
+{{- end }}
+{{- end }}
+
+{{- define "specdec.lifecycle" -}}
+{{- with int .Values.shutdown.preStopSleepSeconds }}
+lifecycle:
+  preStop:
+    exec:
+      command: [sleep, {{ . | quote }}]
 {{- end }}
 {{- end }}
