@@ -406,7 +406,7 @@ name, so a missing key stops the pod from starting with a clear event. */}}
     secretName: {{ . }}
     defaultMode: 0440
     items:
-      - {key: {{ $ctx.Values.auth.key }}, path: tokens}
+      - {key: {{ $ctx.Values.auth.key | quote }}, path: tokens}
 {{- end }}
 {{- if include "specdec.redisTlsCa" $ctx }}
 - name: redis-tls-ca
@@ -414,7 +414,7 @@ name, so a missing key stops the pod from starting with a clear event. */}}
     secretName: {{ $ctx.Values.redis.external.tlsCA.existingSecret }}
     defaultMode: 0440
     items:
-      - {key: {{ $ctx.Values.redis.external.tlsCA.key }}, path: ca.crt}
+      - {key: {{ $ctx.Values.redis.external.tlsCA.key | quote }}, path: ca.crt}
 {{- end }}
 {{- end }}
 {{- end }}
