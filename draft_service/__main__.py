@@ -28,10 +28,10 @@ def load_backend(cfg: DraftConfig):
             raise SystemExit("--backend llama.cpp needs a .gguf model (or 'smollm2')")
         return LlamaCppBackend(str(path), n_ctx=cfg.context_tokens, max_sequences=cfg.max_sessions,
                                n_threads=cfg.threads or None)
-    from specdec_core.hf_backend import HFBackend
+    from specdec_core.batched_backend import BatchedBackend
     from specdec_core.models import load_causal_lm
 
-    return HFBackend(load_causal_lm(cfg.model, cfg.dtype, cfg.device))
+    return BatchedBackend(load_causal_lm(cfg.model, cfg.dtype, cfg.device), max_tokens=cfg.max_cache_tokens + 8192)
 
 
 def main(argv: list[str] | None = None) -> None:

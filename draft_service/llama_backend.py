@@ -118,32 +118,44 @@ class LlamaCppBackend:
         return int(llama_cpp.llama_memory_seq_pos_max(self._memory, handle)) + 1
 
     def forward(self, handle: int, token_ids: list[int], start: int) -> torch.Tensor:
-        if start + len(token_ids) > self.max_context:
-            raise ValueError(f"{start} + {len(token_ids)} tokens exceed {self.max_context}")
-        logits = torch.empty((len(token_ids), self.vocab_size), dtype=torch.float32)
-        out = logits.numpy()
-        batch = self._batch
+        return self.forward_batch([(handle, token_ids, start)])[0]
+
+    def forward_batch(self, items: list[tuple[int, list[int], int]]) -> list[torch.Tensor]:
+        """Feed several sequences in shared llama_decode calls (up to n_batch tokens each);
+        per item, the logits of every fed token [len, V]."""
+        outs = [torch.empty((len(ids), self.vocab_size), dtype=torch.float32) for _, ids, _ in items]
+        flat = [(k, i) for k, (_, ids, _) in enumerate(items) for i in range(len(ids))]
         with self._lock:
-            cached = self.num_cached(handle)
-            if cached != start:
-                raise ValueError(f"sequence {handle} holds {cached} tokens, not {start}")
-            for lo in range(0, len(token_ids), self.n_batch):
-                chunk = token_ids[lo : lo + self.n_batch]
-                batch.n_tokens = len(chunk)
-                for i, token in enumerate(chunk):
-                    batch.token[i] = token
-                    batch.pos[i] = start + lo + i
-                    batch.n_seq_id[i] = 1
-                    batch.seq_id[i][0] = handle
-                    batch.logits[i] = 1
-                rc = llama_cpp.llama_decode(self._ctx, batch)
-                if rc != 0:
-                    llama_cpp.llama_memory_seq_rm(self._memory, handle, start, -1)
-                    raise RuntimeError(f"llama_decode failed with {rc} on sequence {handle}")
-                rows = llama_cpp.llama_get_logits_ith(self._ctx, 0)  # outputs lie contiguously
-                shape = (len(chunk), self.vocab_size)
-                out[lo : lo + len(chunk)] = np.ctypeslib.as_array(rows, shape=shape)
-        return logits
+            for handle, ids, start in items:
+                if start + len(ids) > self.max_context:
+                    raise ValueError(f"{start} + {len(ids)} tokens exceed {self.max_context}")
+                cached = self.num_cached(handle)
+                if cached != start:
+                    raise ValueError(f"sequence {handle} holds {cached} tokens, not {start}")
+            for lo in range(0, len(flat), self.n_batch):
+                chunk = flat[lo : lo + self.n_batch]
+                self._decode(items, chunk)
+                rows = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, 0),
+                                             shape=(len(chunk), self.vocab_size))  # outputs lie contiguously
+                for j, (k, i) in enumerate(chunk):
+                    outs[k].numpy()[i] = rows[j]
+        return outs
+
+    def _decode(self, items: list[tuple[int, list[int], int]], chunk: list[tuple[int, int]]) -> None:
+        batch = self._batch
+        batch.n_tokens = len(chunk)
+        for j, (k, i) in enumerate(chunk):
+            handle, ids, start = items[k]
+            batch.token[j] = ids[i]
+            batch.pos[j] = start + i
+            batch.n_seq_id[j] = 1
+            batch.seq_id[j][0] = handle
+            batch.logits[j] = 1
+        rc = llama_cpp.llama_decode(self._ctx, batch)
+        if rc != 0:
+            for handle, _, start in items:
+                llama_cpp.llama_memory_seq_rm(self._memory, handle, start, -1)
+            raise RuntimeError(f"llama_decode failed with {rc}")
 
     def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         """Token ids of text; special tokens such as <|im_start|> are parsed."""

@@ -4,19 +4,24 @@ Greedy: the argmax at each step. Sampled: the draft's distribution after the sam
 target applies (temperature, top-k, top-p), truncated to its `sparse_top` most likely tokens; the
 token is drawn from exactly that truncated distribution and the distribution is sent with it, so
 verification stays exact (DESIGN.md: a draft may propose from any distribution it likes).
+
+Concurrent proposals from different sessions run in lockstep: their prefills share one model
+step, then each further draft step feeds every still-drafting session's last token together.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 
 import torch
 
 from specdec_core import metrics
-from specdec_core.errors import InvalidArgument
-from specdec_core.kvcache import SessionCaches
+from specdec_core.batching import BatchQueue
+from specdec_core.errors import InvalidArgument, SpecdecError
+from specdec_core.kvcache import CachedSequence, SessionCaches
 from specdec_core.sampling import (
     Purpose,
     SamplingConfig,
@@ -37,7 +42,7 @@ class ProposeTask:
     num_tokens: int
     sampling: SamplingConfig
     seed: int = 0
-    min_confidence: float = 0.0  # stop the block when the next token's draft probability is lower
+    min_confidence: float = 0.0  # stop the block when the draft's confidence falls below this
 
 
 @dataclass(frozen=True)
@@ -48,37 +53,67 @@ class Proposal:
     compute_ms: float
 
 
+@dataclass
+class _Drafting:
+    task: ProposeTask
+    seq: CachedSequence
+    k: int
+    prefill: int
+    token_ids: list[int] = field(default_factory=list)
+    dists: list[SparseDist] = field(default_factory=list)
+    is_done: bool = False
+
+
 class ModelProposer:
-    def __init__(self, caches: SessionCaches, max_context: int, sparse_top: int = 64):
+    def __init__(self, caches: SessionCaches, max_context: int, sparse_top: int = 64, window_s: float = 0.001,
+                 max_batch: int = 32):
         self.caches = caches
         self.vocab_size = caches.backend.vocab_size
         self.max_context = max_context
         self.sparse_top = sparse_top
-        self._lock = threading.Lock()
+        self.queue = BatchQueue(self._propose_batch, window_s, max_batch, name="propose")
 
-    def propose(self, task: ProposeTask) -> Proposal:
+    def propose(self, task: ProposeTask, is_cancelled: Callable[[], bool] = lambda: False) -> Proposal:
         self._validate(task)
-        n = len(task.committed_ids)
-        k = min(task.num_tokens, self.max_context - n) if self.max_context else task.num_tokens
-        token_ids: list[int] = []
-        dists: list[SparseDist] = []
-        with self._lock:
-            started = time.perf_counter()
-            with self.caches.lease(task.session_id, task.committed_ids) as seq:
-                prefill = n - len(seq.token_ids)
-                logits = self.caches.extend(seq, task.committed_ids[len(seq.token_ids):])[-1]  # [V]
-                for i in range(k):
-                    token, confidence, dist = self._choose(logits, task, n + i)
-                    if i > 0 and confidence < task.min_confidence:
-                        break
-                    token_ids.append(token)
-                    if dist is not None:
-                        dists.append(dist)
-                    if i + 1 < k:
-                        logits = self.caches.extend(seq, [token])[-1]
-            compute_ms = (time.perf_counter() - started) * 1e3
+        return self.queue.submit(task, task.session_id, is_cancelled)
+
+    def _propose_batch(self, tasks: list[ProposeTask]) -> list[Proposal | BaseException]:
+        started = time.perf_counter()
+        results: list[Proposal | BaseException | None] = [None] * len(tasks)
+        with ExitStack() as stack:
+            drafting: dict[int, _Drafting] = {}
+            for i, task in enumerate(tasks):
+                try:
+                    seq = stack.enter_context(self.caches.lease(task.session_id, task.committed_ids))
+                except SpecdecError as exc:
+                    results[i] = exc
+                    continue
+                n = len(task.committed_ids)
+                k = min(task.num_tokens, self.max_context - n) if self.max_context else task.num_tokens
+                drafting[i] = _Drafting(task, seq, k, n - len(seq.token_ids))
+            feeds = [(d, d.task.committed_ids[len(d.seq.token_ids):]) for d in drafting.values()]
+            while feeds:
+                logits = self.caches.extend_batch([(d.seq, ids) for d, ids in feeds])
+                feeds = [(d, [token]) for (d, _), rows in zip(feeds, logits)
+                         if (token := self._step(d, rows[-1])) is not None]
+        compute_ms = (time.perf_counter() - started) * 1e3
         metrics.FORWARD_SECONDS.labels("draft").observe(compute_ms / 1e3)
-        return Proposal(token_ids, dists, prefill, compute_ms)
+        for i, d in drafting.items():
+            results[i] = Proposal(d.token_ids, d.dists, d.prefill, compute_ms)
+        return results
+
+    def _step(self, d: _Drafting, logits: torch.Tensor) -> int | None:
+        """Choose d's next token from logits [V]; the token to feed next, or None when d is done."""
+        if d.k <= 0:
+            return None
+        position = len(d.task.committed_ids) + len(d.token_ids)
+        token, confidence, dist = self._choose(logits, d.task, position)
+        if d.token_ids and confidence < d.task.min_confidence:
+            return None
+        d.token_ids.append(token)
+        if dist is not None:
+            d.dists.append(dist)
+        return token if len(d.token_ids) < d.k else None
 
     def _choose(self, logits: torch.Tensor, task: ProposeTask, position: int) -> tuple[int, float, SparseDist | None]:
         """(token, the draft's confidence, the sparse distribution the token was drawn from).

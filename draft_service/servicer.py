@@ -23,7 +23,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                 sampling=sampling_from_proto(request.sampling),
                 seed=request.seed,
                 min_confidence=request.min_confidence,
-            )
+            ),
+            lambda: not context.is_active(),
         )
         return draft_pb2.ProposeResponse(
             token_ids=proposal.token_ids,

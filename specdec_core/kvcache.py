@@ -105,6 +105,16 @@ class SessionCaches:
         seq.token_ids.extend(token_ids)
         return logits
 
+    def extend_batch(self, items: list[tuple[CachedSequence, list[int]]]) -> list[torch.Tensor]:
+        """Several sessions' extensions in one model step when the backend can batch."""
+        forward_batch = getattr(self.backend, "forward_batch", None)
+        if forward_batch is None:
+            return [self.extend(seq, ids) for seq, ids in items]
+        logits = forward_batch([(seq.handle, ids, len(seq.token_ids)) for seq, ids in items])
+        for seq, ids in items:
+            seq.token_ids.extend(ids)
+        return logits
+
     def crop(self, seq: CachedSequence, length: int) -> None:
         if length < len(seq.token_ids):
             self.backend.crop(seq.handle, length)

@@ -11,6 +11,7 @@ import os
 import sys
 
 from specdec.v1 import target_pb2, target_pb2_grpc
+from specdec_core.batched_backend import BatchedBackend
 from specdec_core.hf_backend import HFBackend
 from specdec_core.kvcache import SessionCaches
 from specdec_core.models import load_causal_lm
@@ -35,8 +36,15 @@ def main(argv: list[str] | None = None) -> None:
     if tp.world_size() > 1:
         return serve_tensor_parallel(cfg)
     log.info("loading target model %s (%s on %s)", cfg.model, cfg.dtype, cfg.device)
-    backend = HFBackend(load_causal_lm(cfg.model, cfg.dtype, cfg.device))
-    run_server(cfg, backend)
+    run_server(cfg, make_backend(cfg, load_causal_lm(cfg.model, cfg.dtype, cfg.device)))
+
+
+def make_backend(cfg: TargetConfig, model):
+    if cfg.kv_cache == "paged":
+        # Headroom over the eviction budget: a batch is admitted before least-recently-used
+        # sessions are evicted, and partly filled blocks hold fewer tokens than they could.
+        return BatchedBackend(model, max_tokens=cfg.max_cache_tokens + 16 * 16 * cfg.max_batch)
+    return HFBackend(model)
 
 
 def serve_tensor_parallel(cfg: TargetConfig) -> None:
@@ -44,7 +52,7 @@ def serve_tensor_parallel(cfg: TargetConfig) -> None:
         raise SystemExit(f"WORLD_SIZE {tp.world_size()} != --tensor-parallel-size {cfg.tensor_parallel_size}")
     device, control = tp.init(cfg.device, cfg.dist_timeout_s)
     log.info("rank %d/%d: loading target model %s (%s on %s)", tp.rank(), tp.world_size(), cfg.model, cfg.dtype, device)
-    local = HFBackend(load_causal_lm(cfg.model, cfg.dtype, device, tensor_parallel=True))
+    local = make_backend(cfg, load_causal_lm(cfg.model, cfg.dtype, device, tensor_parallel=True))
     if tp.rank() > 0:
         tp.follow(local, control)
         return
@@ -62,7 +70,8 @@ def _die(exc: BaseException) -> None:
 
 
 def run_server(cfg: TargetConfig, backend) -> None:
-    verifier = Verifier(SessionCaches(backend, cfg.max_cache_tokens, role="target"), backend.max_context)
+    caches = SessionCaches(backend, cfg.max_cache_tokens, role="target")
+    verifier = Verifier(caches, backend.max_context, cfg.batch_window_ms / 1e3, cfg.max_batch)
     server = create_server(cfg.server)
     target_pb2_grpc.add_TargetServicer_to_server(TargetServicer(verifier, cfg.model, cfg.tensor_parallel_size), server)
     serve(server, cfg.server, [target_pb2.DESCRIPTOR.services_by_name["Target"].full_name])

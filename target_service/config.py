@@ -18,12 +18,19 @@ class TargetConfig:
     max_cache_tokens: int = 65536
     tensor_parallel_size: int = 1
     dist_timeout_s: float = 60.0
+    kv_cache: str = "paged"
+    batch_window_ms: float = 1.0
+    max_batch: int = 32
 
     def __post_init__(self):
         if self.max_cache_tokens < 1:
             raise ValueError("max_cache_tokens must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.kv_cache not in ("paged", "dynamic"):
+            raise ValueError(f"kv_cache must be paged or dynamic, got {self.kv_cache!r}")
+        if self.max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype}")
 
@@ -43,7 +50,13 @@ class TargetConfig:
                        help="shard the model over N ranks (started under torchrun automatically)")
         p.add_argument("--dist-timeout", type=float, default=cls.dist_timeout_s,
                        help="seconds before a collective with a dead rank fails (then the service exits)")
+        p.add_argument("--kv-cache", choices=["paged", "dynamic"], default=cls.kv_cache,
+                       help="paged: block-pool cache, sessions verified together in one batched pass; "
+                            "dynamic: one transformers DynamicCache per session, one session per pass")
+        p.add_argument("--batch-window-ms", type=float, default=cls.batch_window_ms,
+                       help="after the first request of a batch, wait this long for others")
+        p.add_argument("--max-batch", type=int, default=cls.max_batch, help="sessions per batched pass")
         ServerOptions.add_flags(p, "SPECDEC_TARGET", port=50052)
         a = p.parse_args(argv)
         return cls(ServerOptions.from_args(a), a.model, a.dtype, a.device, a.max_cache_tokens,
-                   a.tensor_parallel_size, a.dist_timeout)
+                   a.tensor_parallel_size, a.dist_timeout, a.kv_cache, a.batch_window_ms, a.max_batch)

@@ -23,7 +23,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                 sampling=sampling_from_proto(request.sampling),
                 seed=request.seed,
                 draft_dists=[(list(d.token_ids), list(d.probs)) for d in request.draft_distributions],
-            )
+            ),
+            lambda: not context.is_active(),
         )
         return target_pb2.VerifyResponse(
             num_accepted=result.num_accepted,

@@ -80,6 +80,11 @@ class ReplicatedBackend:
     def forward(self, handle: int, token_ids: list[int], start: int) -> torch.Tensor:
         return self._call("forward", handle, token_ids, start)
 
+    def forward_batch(self, items: list[tuple[int, list[int], int]]) -> list[torch.Tensor]:
+        with self._lock:
+            self._broadcast(("forward_batch", items))
+            return self.local.forward_batch([(self._handles[h], ids, start) for h, ids, start in items])
+
     def shutdown(self) -> None:
         self._stop.set()
         with self._lock:
@@ -120,8 +125,15 @@ def follow(local, control: dist.ProcessGroup) -> None:
         if op == "allocate":
             handles[args[0]] = local.allocate()
             continue
+        if op == "forward_batch":
+            _replay(local.forward_batch, [(handles[h], ids, start) for h, ids, start in args[0]])
+            continue
         handle = handles.pop(args[0]) if op == "free" else handles[args[0]]
-        try:
-            getattr(local, op)(handle, *args[1:])
-        except Exception:  # noqa: BLE001 - rank 0 met the same error and answered it; stay in step
-            log.exception("rank %d: %s failed", rank(), op)
+        _replay(getattr(local, op), handle, *args[1:])
+
+
+def _replay(fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - rank 0 met the same error and answered it; stay in step
+        log.exception("rank %d: %s failed", rank(), fn.__name__)

@@ -1,16 +1,21 @@
 """Verification: one forward pass over the uncached tail of the committed sequence plus the
-draft tokens, then the exact rule from `acceptance`. K = 0 is plain target decoding."""
+draft tokens, then the exact rule from `acceptance`. K = 0 is plain target decoding.
+
+Concurrent requests from different sessions are verified together: their tails go through the
+model in one batched pass (each with its own cache length and K) when the backend can batch."""
 
 from __future__ import annotations
 
-import threading
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
 
 from specdec_core import metrics
-from specdec_core.errors import InvalidArgument
+from specdec_core.batching import BatchQueue
+from specdec_core.errors import InvalidArgument, SpecdecError
 from specdec_core.kvcache import SessionCaches
 from specdec_core.sampling import (
     Purpose,
@@ -44,27 +49,43 @@ class VerifyResult:
 
 
 class Verifier:
-    def __init__(self, caches: SessionCaches, max_context: int):
+    def __init__(self, caches: SessionCaches, max_context: int, window_s: float = 0.001, max_batch: int = 32,
+                 max_queue: int = 256):
         self.caches = caches
         self.vocab_size = caches.backend.vocab_size
         self.max_context = max_context
-        self._lock = threading.Lock()  # one forward pass at a time
+        self.queue = BatchQueue(self._verify_batch, window_s, max_batch, max_queue, name="verify")
 
-    def verify(self, task: VerifyTask) -> VerifyResult:
+    def verify(self, task: VerifyTask, is_cancelled: Callable[[], bool] = lambda: False) -> VerifyResult:
         self._validate(task)
-        n, k = len(task.committed_ids), len(task.draft_ids)
-        with self._lock:
-            started = time.perf_counter()
-            with self.caches.lease(task.session_id, task.committed_ids) as seq:
-                prefill = n - len(seq.token_ids)
-                logits = self.caches.extend(seq, task.committed_ids[len(seq.token_ids):] + task.draft_ids)
-                logits = logits[-(k + 1):]  # [K+1, V]: after x[n-1], d[0], ..., d[K-1]
-                num_accepted, next_token = self._decide(task, logits, n)
+        return self.queue.submit(task, task.session_id, is_cancelled)
+
+    def _verify_batch(self, tasks: list[VerifyTask]) -> list[VerifyResult | BaseException]:
+        started = time.perf_counter()
+        results: list[VerifyResult | BaseException | None] = [None] * len(tasks)
+        with ExitStack() as stack:
+            leased = []
+            for i, task in enumerate(tasks):
+                try:
+                    leased.append((i, stack.enter_context(self.caches.lease(task.session_id, task.committed_ids))))
+                except SpecdecError as exc:
+                    results[i] = exc
+            prefill = {i: len(tasks[i].committed_ids) - len(seq.token_ids) for i, seq in leased}
+            logits = self.caches.extend_batch(
+                [(seq, tasks[i].committed_ids[len(seq.token_ids):] + tasks[i].draft_ids) for i, seq in leased])
+            decided = []
+            for (i, seq), rows in zip(leased, logits):
+                task = tasks[i]
+                n, k = len(task.committed_ids), len(task.draft_ids)
+                num_accepted, next_token = self._decide(task, rows[-(k + 1):], n)  # [K+1, V]
                 self.caches.crop(seq, n + num_accepted)  # rejected drafts never stay cached
-            compute_ms = (time.perf_counter() - started) * 1e3
+                decided.append((i, num_accepted, next_token))
+        compute_ms = (time.perf_counter() - started) * 1e3
         metrics.FORWARD_SECONDS.labels("target").observe(compute_ms / 1e3)
-        metrics.VERIFY_BATCH.observe(1)
-        return VerifyResult(num_accepted, next_token, prefill, compute_ms)
+        metrics.VERIFY_BATCH.observe(len(leased))
+        for i, num_accepted, next_token in decided:
+            results[i] = VerifyResult(num_accepted, next_token, prefill[i], compute_ms, len(leased))
+        return results
 
     def _decide(self, task: VerifyTask, logits: torch.Tensor, n: int) -> tuple[int, int]:
         draft_ids = torch.tensor(task.draft_ids, dtype=torch.long)  # [K]

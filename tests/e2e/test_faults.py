@@ -35,7 +35,7 @@ from specdec.v1 import generation_pb2 as pb
 pytestmark = [pytest.mark.fault, pytest.mark.e2e]
 
 K = 4
-PROMPT = [504, 3458, 282, 4649, 314]  # the tiny pair decodes 300 tokens from it without hitting eos
+PROMPT = [504, 3458, 282, 4649, 314]  # the tiny pair decodes 300+ tokens from it without hitting eos
 OTHER = [1073, 2102, 30, 9, 17, 3365, 11, 4500]
 DRAIN_S = 60.0
 TARGET_RETRY_S = 180.0
@@ -192,7 +192,7 @@ def extra_coordinator(stack, name: str, extra_args: list[str], wait_s: float = 3
 # ---- a. the target worker killed mid-stream, then restarted --------------------------------------
 
 def test_target_killed_mid_stream_and_restarted(healthy, hf_greedy):
-    stack, n = healthy, 300
+    stack, n = healthy, 200
     with make_client(stack) as client:
         call = stream_call(client, PROMPT, max_new_tokens=n, k=K)
         before = [next(call) for _ in range(3)]
@@ -293,7 +293,7 @@ def test_coordinator_killed_mid_stream_session_continues(healthy, hf_greedy):
 # ---- e. two requests racing on one session -----------------------------------------------------
 
 def test_second_request_on_a_busy_session_is_refused(healthy, hf_greedy):
-    stack, n = healthy, 150
+    stack, n = healthy, 100
     with make_client(stack) as client:
         call = stream_call(client, PROMPT, max_new_tokens=n, k=K)
         chunks = [next(call)]
@@ -378,44 +378,16 @@ def test_deadline_exceeded_frees_the_session(healthy, hf_greedy):
     abandoned = history[len(start):-6]
     if abandoned:
         assert abandoned[0] == 7
-        assert abandoned[1:] == hf_greedy(start + [7], len(abandoned) - 1)
+        if len(abandoned) > 1:
+            assert abandoned[1:] == hf_greedy(start + [7], len(abandoned) - 1)
         assert len(abandoned) - 1 < 600  # it did stop
     assert result.token_ids == hf_greedy(history[:-5], 5)
 
 
-# ---- h. graceful drain on SIGTERM --------------------------------------------------------------
-
-def test_sigterm_drains_in_flight_streams(healthy, hf_greedy):
-    stack, n = healthy, 200
-    with make_client(stack) as client:
-        call = stream_call(client, PROMPT, max_new_tokens=n, k=K)
-        chunks = [next(call) for _ in range(2)]
-        proc = stack.processes["coordinator"]
-        proc.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        time.sleep(0.5)
-        assert proc.poll() is None  # still draining
-        with make_client(stack) as fresh:  # a new request after the SIGTERM is refused
-            err, elapsed = rpc_error(fresh.stub.Generate, pb.GenerateRequest(
-                input=build_input(OTHER, max_new_tokens=3)), timeout=10)
-            assert err.code() == grpc.StatusCode.UNAVAILABLE, (err.code(), err.details())
-        err, _ = rpc_error(client.stub.Generate, pb.GenerateRequest(input=build_input(OTHER, max_new_tokens=3)),
-                           timeout=10)
-        assert err.code() == grpc.StatusCode.UNAVAILABLE, (err.code(), err.details())
-        chunks += list(call)  # the in-flight stream completes normally
-    out = ids_of(chunks)
-    assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
-    assert len(out) == n and out == hf_greedy(PROMPT, n)
-    assert committed(stack, chunks[0].session_id) == PROMPT + out
-    assert proc.wait(DRAIN_S + 10) == 0
-    assert time.monotonic() - signalled <= DRAIN_S
-    stack.processes.pop("coordinator")
-
-
-# ---- b. the draft worker killed (last: these leave it down) -------------------------------------
+# ---- b. the draft worker killed (late: these leave it down) -------------------------------------
 
 def test_draft_killed_mid_stream_degrades_to_k0(healthy, hf_greedy):
-    stack, n = healthy, 80
+    stack, n = healthy, 50
     with make_client(stack) as client:
         call = stream_call(client, OTHER, max_new_tokens=n, k=K)
         before = [next(call) for _ in range(3)]
@@ -442,12 +414,57 @@ def test_draft_killed_mid_stream_degrades_to_k0(healthy, hf_greedy):
         assert ids_of(chunks) == hf_greedy(PROMPT + fresh.token_ids + [5], 10)
 
 
+def test_dead_draft_costs_one_retry_budget_not_one_per_round(healthy_without_draft, hf_greedy):
+    """With the draft down, K = 0 decoding must stay about as fast as K = 0 itself: a request may pay
+    the draft retry budget once or twice (noticing the outage), not on every round."""
+    stack, n = healthy_without_draft, 40
+    stack.stop("draft", signal.SIGKILL)
+    with make_client(stack) as client:
+        client.generate(PROMPT, max_new_tokens=3, k=K)  # the outage is noticed here
+        result = client.generate(OTHER, max_new_tokens=n, k=K)
+    assert result.token_ids == hf_greedy(OTHER, n) and result.stats["drafted"] == 0
+    budget_ms = DRAFT_RETRY_S * 1e3
+    assert result.stats["draft_ms"] <= 2 * budget_ms + 200, (
+        f"{result.stats['draft_ms']:.0f} ms waiting for a dead draft over {result.stats['rounds']} rounds "
+        f"(retry budget {budget_ms:.0f} ms)")
+
+
 def test_coordinator_starts_while_the_draft_is_down(healthy_without_draft, hf_greedy):
     """The draft is an optimisation: a coordinator (re)started during a draft outage must still serve
     (K = 0), not refuse to start."""
     stack = healthy_without_draft
     stack.stop("draft", signal.SIGKILL)
     name = "coordinator#nodraft"
-    with extra_coordinator(stack, name, ["--startup-timeout", "15"], wait_s=120), make_client(stack, name) as client:
+    with extra_coordinator(stack, name, ["--startup-timeout", "10"], wait_s=120), make_client(stack, name) as client:
         result = client.generate(PROMPT, max_new_tokens=10, k=K)
     assert result.stats["drafted"] == 0 and result.token_ids == hf_greedy(PROMPT, 10)
+
+
+# ---- h. graceful drain on SIGTERM (last: it leaves the coordinator stopped; the draft may be down, which
+#      only makes the stream slower) ---------------------------------------------------------------------
+
+def test_sigterm_drains_in_flight_streams(healthy_without_draft, hf_greedy):
+    stack, n = healthy_without_draft, 120
+    with make_client(stack) as client:
+        call = stream_call(client, PROMPT, max_new_tokens=n, k=K)
+        chunks = [next(call) for _ in range(2)]
+        proc = stack.processes["coordinator"]
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        time.sleep(0.5)
+        assert proc.poll() is None  # still draining
+        with make_client(stack) as fresh:  # a new request after the SIGTERM is refused
+            err, elapsed = rpc_error(fresh.stub.Generate, pb.GenerateRequest(
+                input=build_input(OTHER, max_new_tokens=3)), timeout=10)
+            assert err.code() == grpc.StatusCode.UNAVAILABLE, (err.code(), err.details())
+        err, _ = rpc_error(client.stub.Generate, pb.GenerateRequest(input=build_input(OTHER, max_new_tokens=3)),
+                           timeout=10)
+        assert err.code() == grpc.StatusCode.UNAVAILABLE, (err.code(), err.details())
+        chunks += list(call)  # the in-flight stream completes normally
+    out = ids_of(chunks)
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert len(out) == n and out == hf_greedy(PROMPT, n)
+    assert committed(stack, chunks[0].session_id) == PROMPT + out
+    assert proc.wait(DRAIN_S + 10) == 0
+    assert time.monotonic() - signalled <= DRAIN_S
+    stack.processes.pop("coordinator")

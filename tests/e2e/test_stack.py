@@ -157,4 +157,4 @@ def test_end_session_deletes_it(client, tiny_stack):
 def test_describe_models(client):
     info = client.describe()
     assert info.target.vocab_size == info.draft.vocab_size == 49152
-    assert info.target.backend == "transformers" and info.default_num_speculative_tokens == 5
+    assert info.target.backend == "transformers-paged" and info.default_num_speculative_tokens == 5

@@ -2,134 +2,22 @@
 lint --strict clean, every object valid against the Kubernetes schemas of the oldest and newest
 versions we support (kubernetes-validate, strict), and the wiring that matters checked directly:
 GPU counts, torchrun ranks, probes, NetworkPolicy selectors, the coordinator's addresses, and the
-values schema rejecting bad input with a clear message."""
+values schema rejecting bad input with a clear message. The values sets and helpers are in
+specdec_chart.py, the fixtures in conftest.py; TLS, tokens, metrics, the dashboard, shutdown and the
+locust load test are checked in test_chart_security.py."""
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-import yaml
 
 import helm_python as helm
 import kubernetes_validate
+from specdec_chart import (CHART, CRD_KINDS, KUBE_VERSIONS, NAMESPACE, RELEASE, SPECDEC, VALUE_SETS, component_of,
+                           env_of, gpu_requested, matches, port_named, server_tls, service_for)
 
 pytestmark = pytest.mark.helm
-
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "helm" / "specdec"
-EXAMPLES = sorted((ROOT / "helm" / "examples").glob("*.yaml"))
-RELEASE, NAMESPACE = "sd", "inference"
-KUBE_VERSIONS = ("1.25", "1.37")  # the oldest and newest kubernetes-validate 1.37 knows
-CRD_KINDS = {"ServiceMonitor"}  # no upstream schema; checked by hand below
-
-VALUE_SETS: dict[str, dict] = {
-    "defaults": {},
-    "tp4-pvc": {
-        "models": {"volume": {"type": "persistentVolumeClaim", "claimName": "weights"}},
-        "target": {"model": "/models/Qwen2.5-72B-Instruct", "tensorParallelSize": 4, "replicas": 2,
-                   "gpu": {"enabled": True}, "shmSize": "32Gi"},
-        "draft": {"model": "/models/Qwen2.5-0.5B-Instruct", "backend": "transformers",
-                  "gpu": {"enabled": True, "count": 1}},
-        "coordinator": {"tokenizer": "/models/Qwen2.5-72B-Instruct"},
-        "monitoring": {"serviceMonitor": {"enabled": True}},
-    },
-    "external-redis-auth": {
-        "redis": {"mode": "external", "external": {"host": "redis.data.svc", "port": 6380, "db": 2, "tls": True},
-                  "auth": {"existingSecret": "redis-auth", "existingSecretPasswordKey": "password"}},
-        "models": {"hfToken": {"existingSecret": "hf-token"}},
-        "networkPolicy": {"coordinator": {"from": [{"namespaceSelector": {"matchLabels": {"team": "ml"}}}]}},
-    },
-    "cpu-draft-autoscaling": {
-        "target": {"model": "Qwen/Qwen2.5-7B-Instruct", "gpu": {"enabled": True}},
-        "draft": {"model": "/models/qwen2.5-0.5b-instruct-q8_0.gguf", "backend": "llama.cpp", "replicas": 3,
-                  "gpu": {"enabled": False},
-                  "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
-                                                 "whenUnsatisfiable": "ScheduleAnyway"}]},
-        "models": {"volume": {"type": "hostPath", "hostPath": "/mnt/models"}},
-        "coordinator": {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6}},
-        "redis": {"auth": {"existingSecret": "redis-auth"}, "bundled": {"persistence": {"enabled": True}}},
-    },
-    "no-draft": {"draft": {"enabled": False}},
-    **{f"example:{p.stem}": yaml.safe_load(p.read_text()) for p in EXAMPLES},
-}
-
-
-class Release:
-    """The objects one `helm template` produces, with lookups by kind and component."""
-
-    def __init__(self, values: dict, manifests: dict[str, str]):
-        self.values = values
-        self.objects = [o for path, text in manifests.items() if not path.endswith("NOTES.txt")
-                        for o in yaml.safe_load_all(text) if o]
-
-    def of_kind(self, kind: str) -> list[dict]:
-        return [o for o in self.objects if o["kind"] == kind]
-
-    def one(self, kind: str, component: str) -> dict:
-        found = [o for o in self.of_kind(kind) if component_of(o) == component]
-        assert len(found) == 1, f"expected one {kind} for {component}, found {len(found)}"
-        return found[0]
-
-    def workloads(self) -> list[dict]:
-        return self.of_kind("Deployment") + self.of_kind("StatefulSet")
-
-    def pods(self) -> list[tuple[str, dict, dict]]:
-        """(component, labels, pod spec) of every pod the release can create."""
-        pods = [(component_of(w), w["spec"]["template"]["metadata"]["labels"], w["spec"]["template"]["spec"])
-                for w in self.workloads()]
-        return pods + [(component_of(p), p["metadata"]["labels"], p["spec"]) for p in self.of_kind("Pod")]
-
-    def workload(self, component: str) -> dict:
-        found = [w for w in self.workloads() if component_of(w) == component]
-        assert len(found) == 1, f"expected one workload for {component}, found {len(found)}"
-        return found[0]
-
-    def pod_labels(self, component: str) -> dict:
-        return self.workload(component)["spec"]["template"]["metadata"]["labels"]
-
-    def container(self, component: str) -> dict:
-        return self.workload(component)["spec"]["template"]["spec"]["containers"][0]
-
-
-def component_of(obj: dict) -> str:
-    return obj["metadata"]["labels"]["app.kubernetes.io/component"]
-
-
-def matches(selector: dict, labels: dict) -> bool:
-    return all(labels.get(k) == v for k, v in selector.items())
-
-
-def env_of(container: dict) -> dict[str, dict]:
-    return {e["name"]: e for e in container.get("env", [])}
-
-
-def gpu_requested(container: dict) -> int:
-    return int(container["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cached_kubernetes_schemas():
-    """kubernetes-validate re-reads a 1-2 MB definitions file for every object; read each file once."""
-    with pytest.MonkeyPatch.context() as patch:
-        utils = getattr(kubernetes_validate, "utils", None)
-        if hasattr(utils, "schema_contents"):  # an optimisation only: skipped if the internals change
-            patch.setattr(utils, "schema_contents", functools.cache(utils.schema_contents))
-        yield
-
-
-@pytest.fixture(scope="module")
-def chart():
-    with helm.Chart.load(CHART) as loaded:
-        yield loaded
-
-
-@pytest.fixture(scope="module")
-def releases(chart) -> dict[str, Release]:
-    return {name: Release(chart.merge_values(values), chart.render(values, name=RELEASE, namespace=NAMESPACE))
-            for name, values in VALUE_SETS.items()}
 
 
 @pytest.mark.parametrize("name", VALUE_SETS)
@@ -180,16 +68,22 @@ def test_target_gpus_and_ranks_follow_tensor_parallel_size(releases, name):
 
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_every_container_has_probes(releases, name):
-    for workload in releases[name].workloads():
-        spec = workload["spec"]["template"]["spec"]
-        for container in spec["containers"]:
+    release = releases[name]
+    for workload in release.workloads():
+        component = component_of(workload)
+        if component not in (*SPECDEC, "redis"):
+            continue  # the locust pods: see test_chart_security.py
+        for container in workload["spec"]["template"]["spec"]["containers"]:
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 assert probe in container, f"{workload['metadata']['name']}/{container['name']}: no {probe}"
-            if component_of(workload) == "redis":
+            if component == "redis":
                 continue
-            grpc_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
+            # Kubernetes' gRPC probes speak plaintext only: on a TLS port they use the health port.
+            probed = "health" if server_tls(release.values, component) else "grpc"
+            probed_port = port_named(container, probed)
+            assert probed_port is not None, f"{component}: no {probed} container port"
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                assert container[probe]["grpc"]["port"] == grpc_port
+                assert container[probe]["grpc"] == {"port": probed_port}, f"{component} {probe}"
             startup = container["startupProbe"]
             assert startup["failureThreshold"] * startup["periodSeconds"] >= 600, "model loading is slow"
 
@@ -210,13 +104,16 @@ def test_network_policies_guard_the_right_pods(releases, name):
     expected = {"coordinator", "target"}
     expected |= {"draft"} if release.values["draft"]["enabled"] else set()
     expected |= {"redis"} if release.values["redis"]["mode"] == "bundled" else set()
+    expected |= {"loadtest-master", "loadtest-worker"} if release.values["loadtest"]["enabled"] else set()
     assert guarded == expected
     pods = release.pods()
     for policy in policies:
         component = component_of(policy)
         selected = [c for c, labels, _ in pods if matches(policy["spec"]["podSelector"]["matchLabels"], labels)]
         assert selected == [component], f"{policy['metadata']['name']} selects {selected}"
-        port = release.container(component)["ports"][0]["containerPort"]
+        if component.startswith("loadtest"):
+            continue  # see test_chart_security.py
+        port = port_named(release.container(component), "grpc" if component != "redis" else "redis")
         rule = policy["spec"]["ingress"][0]
         assert rule["ports"] == [{"port": port, "protocol": "TCP"}]
         if component == "coordinator":
@@ -230,14 +127,6 @@ def test_network_policies_guard_the_right_pods(releases, name):
         for peer in rule["from"]:
             reached = {c for c, labels, _ in pods if matches(peer["podSelector"]["matchLabels"], labels)}
             assert set(peer) == {"podSelector"} and reached == {"coordinator"}
-
-
-def service_for(release: Release, host: str, port: int) -> dict:
-    services = [s for s in release.of_kind("Service") if s["metadata"]["name"] == host]
-    assert len(services) == 1, f"{host} is not a Service of the release"
-    service = services[0]
-    assert port in [p["port"] for p in service["spec"]["ports"]], f"{host} does not serve port {port}"
-    return service
 
 
 @pytest.mark.parametrize("name", VALUE_SETS)
@@ -343,15 +232,39 @@ def test_service_monitor_scrapes_the_metrics_ports(releases):
     assert not releases["defaults"].of_kind("ServiceMonitor")
 
 
-def test_helm_test_hook_sends_a_generate_to_the_coordinator(releases):
-    release = releases["defaults"]
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_helm_test_hook_sends_a_generate_to_the_coordinator(releases, name):
+    release = releases[name]
     (pod,) = release.of_kind("Pod")
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
-    command = pod["spec"]["containers"][0]["command"]
-    assert command[:2] == ["python", "-c"] and "client.generate(" in command[2]
+    container = pod["spec"]["containers"][0]
+    command = container["command"]
+    assert command[:2] == ["python", "-c"] and "stub.Generate(" in command[2]
+    compile(command[2], "test-generate", "exec")  # the embedded script is valid Python
     host, port = command[3].rsplit(":", 1)
     coordinator = service_for(release, host, int(port))
     assert component_of(coordinator) == "coordinator"
+    # Over TLS and with a token when the coordinator requires them, each from a mounted Secret file.
+    env = {k: e["value"] for k, e in env_of(container).items()}
+    volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
+    mounted = {m["mountPath"]: volumes[m["name"]]["secret"] for m in container.get("volumeMounts", [])}
+    assert all(m["readOnly"] for m in container.get("volumeMounts", []))
+    values = release.values
+    if server_tls(values, "coordinator"):
+        directory, file = env["TEST_TLS_CA_FILE"].rsplit("/", 1)
+        secret = mounted[directory]
+        assert secret["secretName"] == values["tls"]["public"]["existingSecret"]
+        assert secret["items"] == [{"key": "ca.crt", "path": file}] and secret["optional"] is True
+        assert env.get("TEST_TLS_SERVER_NAME") == (values["tls"]["public"]["serverName"] or None)
+    else:
+        assert "TEST_TLS_CA_FILE" not in env
+    if values["auth"]["existingSecret"]:
+        directory, file = env["TEST_TOKEN_FILE"].rsplit("/", 1)
+        secret = mounted[directory]
+        assert secret["secretName"] == values["auth"]["existingSecret"]
+        assert secret["items"] == [{"key": values["auth"]["key"], "path": file}]
+    else:
+        assert "TEST_TOKEN_FILE" not in env
 
 
 @pytest.mark.parametrize("values, message", [

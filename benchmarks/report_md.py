@@ -1,0 +1,75 @@
+"""latest.md: the summary and one table per prompt set (plus the pinned layout), from latest.json."""
+
+from __future__ import annotations
+
+SERVICES = {"draft": "d", "target": "t", "coordinator": "c", "redis": "r", "benchmark_process": "bench"}
+SUMMARY_FORMAT = {"overhead_ms_per_round": "{:.1f} ms"}
+COLUMNS = ("configuration", "c", "tok/s aggregate", "tok/s per request", "vs target_k0", "TTFT p50 / p99 ms",
+           "ITL p50 / p99 ms", "acceptance", "tokens per pass: measured / Leviathan",
+           "ms per round: draft / verify / overhead", "identical to target_k0", "peak RSS MB")
+
+
+def markdown(result: dict) -> str:
+    meta, plan = result["meta"], result["meta"]["plan"]
+    lines = [
+        "# specdec benchmark: embedded pair, greedy",
+        "",
+        f"{meta['started']}, {meta['wall_s'] / 60:.1f} min; device {plan['device']}; "
+        f"{meta['machine_at_start']['cpus']} CPUs (load at start {_load(meta['machine_at_start'])}); "
+        f"{plan['max_new_tokens']} new tokens; concurrency {', '.join(map(str, plan['levels']))}; "
+        f"target: {meta['models']['target']}; draft: {meta['models']['draft']}.",
+        "",
+        "## Summary",
+        "",
+        "| metric | value | basis |",
+        "|---|---|---|",
+    ]
+    for key, value in result["summary"].items():
+        shown = "n/a" if value is None else SUMMARY_FORMAT.get(key, "{:.2f}x").format(value)
+        lines.append(f"| {key} | {shown} | {result['summary_notes'].get(key, '')} |")
+    groups = {}
+    for r in result["results"]:
+        groups.setdefault((r["layout"], r["prompt_set"]), []).append(r)
+    for (layout, prompt_set), rows in groups.items():
+        n = max(r["stats"]["num_requests"] for r in rows if r["concurrency"] == 1)
+        lines += ["", f"## {prompt_set} prompts{' (pinned layout)' if layout == 'pinned' else ''}, {n} per run", ""]
+        lines += table(sorted(rows, key=lambda r: r["concurrency"]))
+    lines += ["", "## Notes", ""] + [f"- {note}" for note in meta["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def table(rows: list[dict]) -> list[str]:
+    out = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        s, spec = r["stats"], r["stats"]["speculation"] or {}
+        per = spec.get("ms_per_round")
+        lev = spec.get("leviathan_at_mean_k") if r["config"] == "model_adaptive" else spec.get("leviathan_expected_length")
+        cells = [
+            r["config"], r["concurrency"], _f(s["tokens_per_s"], 1), _f(s["tokens_per_s_per_request"], 1),
+            _f(s["vs_target_k0"], 2, "x"), _pair(s["ttft_ms"], 0), _pair(s["itl_ms"], 1),
+            _f(spec.get("acceptance_rate"), 3),
+            f"{_f(spec.get('mean_accepted_length'), 2)} / {_f(lev, 2)}" if spec.get("acceptance_rate") is not None else "-",
+            " / ".join(_f(per[k], 1) for k in ("draft", "verify", "overhead")) if per else "-",
+            _f(s["identical_to_target_k0"] and 100 * s["identical_to_target_k0"], 0, "%"),
+            _memory(r["memory_mb"]),
+        ]
+        out.append("| " + " | ".join(map(str, cells)) + " |")
+    return out
+
+
+def _f(value, digits: int, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def _pair(p: dict, digits: int) -> str:
+    return f"{_f(p['p50'], digits)} / {_f(p['p99'], digits)}"
+
+
+def _memory(memory: dict) -> str:
+    order = list(SERVICES)
+    names = sorted(memory, key=lambda k: order.index(k) if k in order else len(order))
+    return " · ".join(f"{SERVICES.get(k, k)} {memory[k]:.0f}" for k in names if memory[k] is not None) or "-"
+
+
+def _load(m: dict) -> str:
+    return ", ".join(f"{x:.1f}" for x in m["loadavg"])

@@ -1,0 +1,236 @@
+"""specdec against the target alone and against what transformers and llama.cpp achieve, on the
+embedded pair (target SmolLM2-135M-Instruct, transformers fp32; draft the same Q4_1 GGUF via
+llama.cpp), greedy, three prompt sets (chat, code, input-grounded), concurrency 1, 4 and 8.
+
+    .venv/bin/python benchmarks/run.py [--quick] [--prompts N] [--max-new-tokens 128]
+                                       [--concurrency 1,4,8] [--only NAMES]
+
+Everything runs in one process tree in one run, so every ratio is measured side by side: one stack
+serves all specdec configurations (per-request flags switch K, overlap, draft method, adaptive K);
+the transformers and llama.cpp baselines run in this process between specdec requests (at
+concurrency 1 every prompt goes through every configuration in turn, rotating the order); the stack
+is restarted only for the pinned layout (draft and target on separate cores, one thread each).
+The target uses CUDA (here and in the target service) when torch sees a GPU.
+
+Writes benchmarks/results/latest.json (everything, with a "summary"), latest.md and latest.png.
+--only takes configuration names (target_k0 always runs: it is every ratio's baseline), prompt-set
+names, and overlap_pinned; e.g. --only chat,model_k5_overlap,overlap_pinned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+import report  # noqa: E402
+import stacks  # noqa: E402
+from baselines import HFBaseline, LlamaPromptLookup  # noqa: E402
+from measure import MemoryProbe, Progress, Request, machine, max_memory  # noqa: E402
+from prompts import GROUNDED_SET, SETS, take  # noqa: E402
+from specdec import Client  # noqa: E402
+
+SPECDEC = {  # per-request options; "k" is also the K of Leviathan's prediction (the ceiling when adaptive)
+    "target_k0": {"draft": "none", "k": 0},
+    "model_k5_overlap": {"draft": "model", "k": 5, "overlap": True},
+    "model_k5_no_overlap": {"draft": "model", "k": 5, "overlap": False},
+    "model_adaptive": {"draft": "model", "k": 8, "adaptive": True, "overlap": True},
+    "ngram_k8": {"draft": "ngram", "k": 8},
+}
+BASELINES = {"hf_greedy": None, "hf_prompt_lookup": GROUNDED_SET, "llama_cpp_prompt_lookup": GROUNDED_SET}
+PINNED = ("model_k5_overlap", "model_k5_no_overlap")
+PINNED_NAME = "overlap_pinned"
+WARMUP = [{"role": "user", "content": "Say hello."}]
+
+
+@dataclass
+class Plan:
+    sets: list[str]
+    configs: list[str]
+    baselines: list[str]
+    levels: list[int]
+    prompts: int | None
+    max_new_tokens: int
+    pinned: bool
+    device: str
+
+
+@dataclass
+class Runner:
+    run: callable  # (prompt index, messages, max new tokens) -> Request
+    probe: MemoryProbe
+    k: int | None
+    only_set: str | None = None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="check the harness: 2 prompts per set, 32 new tokens, "
+                                                        "concurrency 1,2 (explicit flags still win)")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per set (default: all, at least 8)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 128")
+    p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,4,8; 1 always runs)")
+    p.add_argument("--only", default="", help="comma-separated configuration / prompt-set names, overlap_pinned")
+    p.add_argument("--out", default=str(HERE / "results" / "latest"), help="output path without suffix")
+    return p.parse_args(argv)
+
+
+def make_plan(a: argparse.Namespace, device: str) -> Plan:
+    only = {x.strip() for x in a.only.split(",") if x.strip()}
+    known = set(SPECDEC) | set(BASELINES) | set(SETS) | {PINNED_NAME}
+    if only - known:
+        raise SystemExit(f"--only: unknown {sorted(only - known)}; known: {sorted(known)}")
+    named = only & (set(SPECDEC) | set(BASELINES) | {PINNED_NAME})  # any of these: run only those named
+    sets = [s for s in SETS if s in only] or list(SETS)
+    configs = [c for c in SPECDEC if c == "target_k0" or not named or c in named]
+    levels = sorted({1, *(int(x) for x in (a.concurrency or ("1,2" if a.quick else "1,4,8")).split(","))})
+    return Plan(sets=sets, configs=configs, baselines=[b for b in BASELINES if not named or b in named],
+                levels=levels, prompts=a.prompts or (2 if a.quick else None),
+                max_new_tokens=a.max_new_tokens or (32 if a.quick else 128),
+                pinned=(PINNED_NAME in only or not named) and "chat" in sets, device=device)
+
+
+def detect_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@contextlib.contextmanager
+def running(stack, progress: Progress):
+    progress(f"starting the stack ({type(stack).__name__}; logs in {stack.log_dir}) ...")
+    try:
+        stack.up()
+        progress("stack serving: " + ", ".join(f"{n} pid {p.pid}" for n, p in stack.processes.items()))
+        yield stack
+    finally:
+        stack.down()
+
+
+def main_runners(plan: Plan, client: Client, stack, progress: Progress) -> dict[str, Runner]:
+    """Every configuration of the main layout: specdec through the stack, baselines in-process."""
+    probe = stacks.service_probe(stack)
+    runners = {name: Runner(stacks.specdec_runner(client, SPECDEC[name]), probe, SPECDEC[name]["k"])
+               for name in plan.configs}
+    if not plan.baselines:
+        return runners
+    progress(f"loading the transformers baseline ({plan.device}) ...")
+    hf = HFBaseline(device=plan.device)
+    own = MemoryProbe({"benchmark_process": os.getpid()})
+    if "hf_greedy" in plan.baselines:
+        runners["hf_greedy"] = Runner(hf.greedy, own, None)
+    if "hf_prompt_lookup" in plan.baselines and GROUNDED_SET in plan.sets:
+        runners["hf_prompt_lookup"] = Runner(hf.prompt_lookup, own, None, GROUNDED_SET)
+    if "llama_cpp_prompt_lookup" in plan.baselines and GROUNDED_SET in plan.sets:
+        progress("loading the llama.cpp prompt-lookup reference ...")
+        runners["llama_cpp_prompt_lookup"] = Runner(LlamaPromptLookup(hf.tokenizer).run, own, None, GROUNDED_SET)
+    return runners
+
+
+def warm_up(runners: dict[str, Runner], progress: Progress) -> None:
+    for name, runner in runners.items():
+        request = runner.run(-1, WARMUP, 8)
+        progress(f"warm-up {name}: {len(request.token_ids)} tokens in {request.wall_s:.2f} s")
+
+
+def row(layout: str, prompt_set: str, config: str, concurrency: int, k: int | None, requests: list[Request],
+        wall_s: float, memory: dict) -> dict:
+    return {"layout": layout, "prompt_set": prompt_set, "config": config, "concurrency": concurrency, "k": k,
+            "requests": requests, "wall_s": wall_s, "memory_mb": memory}
+
+
+def sequential(layout: str, prompt_set: str, prompts: list[list[dict]], runners: dict[str, Runner],
+               max_new: int, progress: Progress) -> list[dict]:
+    """Concurrency 1: every prompt through every configuration in turn, the order rotated by one
+    configuration per prompt, so that drift on a shared machine spreads evenly."""
+    names = [n for n, r in runners.items() if r.only_set in (None, prompt_set)]
+    done = {n: [] for n in names}
+    memory = {n: {} for n in names}
+    for i, messages in enumerate(prompts):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            runner = runners[name]
+            runner.probe.reset()
+            request = runner.run(i, messages, max_new)
+            memory[name] = max_memory(memory[name], runner.probe.peak_mb())
+            done[name].append(request)
+            tokens, wall = sum(len(r.token_ids) for r in done[name]), sum(r.wall_s for r in done[name])
+            progress(f"[{layout} {prompt_set} c1] {name} prompt {i + 1}/{len(prompts)}: "
+                     f"{len(request.token_ids) / request.wall_s:.1f} tok/s (running {tokens / wall:.1f})")
+    return [row(layout, prompt_set, n, 1, runners[n].k, done[n], sum(r.wall_s for r in done[n]), memory[n])
+            for n in names]
+
+
+def concurrent(prompt_set: str, prompts: list[list[dict]], plan: Plan, stack, progress: Progress) -> list[dict]:
+    """Concurrency c > 1: c client threads against the one stack, configuration by configuration
+    (the order reversed at every other level)."""
+    probe = stacks.service_probe(stack)
+    rows = []
+    for j, c in enumerate(lv for lv in plan.levels if lv > 1):
+        jobs = [(i % len(prompts), prompts[i % len(prompts)]) for i in range(max(len(prompts), c))]
+        for name in plan.configs[::-1] if j % 2 else plan.configs:
+            options = {**SPECDEC[name], "max_new_tokens": plan.max_new_tokens}
+            count = [0, 0]
+
+            def on_done(request: Request, started: float, name=name, c=c, count=count, n=len(jobs)) -> None:
+                count[0] += 1
+                count[1] += len(request.token_ids)
+                progress(f"[main {prompt_set} c{c}] {name} request {count[0]}/{n}: "
+                         f"running aggregate {count[1] / (time.perf_counter() - started):.1f} tok/s")
+
+            probe.reset()
+            requests, wall = stacks.run_batch(stack.address("coordinator"), jobs, c, options, on_done)
+            rows.append(row("main", prompt_set, name, c, SPECDEC[name]["k"], requests, wall, probe.peak_mb()))
+    return rows
+
+
+def bench_main(plan: Plan, progress: Progress, log_dir: Path) -> list[dict]:
+    rows = []
+    with running(stacks.main_stack(log_dir / "main", plan.device), progress) as stack, \
+            Client(stack.address("coordinator"), timeout_s=stacks.CLIENT_TIMEOUT_S) as client:
+        runners = main_runners(plan, client, stack, progress)
+        warm_up(runners, progress)
+        for prompt_set in plan.sets:
+            prompts = take(prompt_set, plan.prompts)
+            rows += sequential("main", prompt_set, prompts, runners, plan.max_new_tokens, progress)
+            rows += concurrent(prompt_set, prompts, plan, stack, progress)
+    return rows
+
+
+def bench_pinned(plan: Plan, progress: Progress, log_dir: Path) -> list[dict]:
+    with running(stacks.pinned_stack(log_dir / "pinned", plan.device), progress) as stack, \
+            Client(stack.address("coordinator"), timeout_s=stacks.CLIENT_TIMEOUT_S) as client:
+        probe = stacks.service_probe(stack)
+        runners = {name: Runner(stacks.specdec_runner(client, SPECDEC[name]), probe, SPECDEC[name]["k"])
+                   for name in PINNED}
+        warm_up(runners, progress)
+        return sequential("pinned", "chat", take("chat", plan.prompts), runners, plan.max_new_tokens, progress)
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    progress = Progress()
+    plan = make_plan(a, detect_device())
+    progress(f"plan: {plan}")
+    log_dir = Path(tempfile.mkdtemp(prefix="specdec-bench-"))
+    meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine_at_start": machine(), "argv": sys.argv[1:],
+            "plan": plan.__dict__, "specdec_configs": SPECDEC, "logs": str(log_dir)}
+    rows = bench_main(plan, progress, log_dir)
+    if plan.pinned:
+        rows += bench_pinned(plan, progress, log_dir)
+    meta.update(finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"), wall_s=progress.elapsed(), machine_at_end=machine())
+    result = report.build(rows, meta)
+    paths = report.write(result, Path(a.out))
+    progress("wrote " + ", ".join(str(p) for p in paths))
+    print(paths[1].read_text())
+
+
+if __name__ == "__main__":
+    main()

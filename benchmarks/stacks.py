@@ -1,0 +1,111 @@
+"""The two layouts of the local stack, and requests against it (one at a time, or c client threads).
+
+- main: `specdec.launcher.Stack` as `specdec up` starts it (draft = the GGUF via llama.cpp);
+- pinned: the draft on one core with one llama.cpp thread, the target on another with one torch
+  thread, so that overlapping draft and verify has a core to gain (on 2 shared cores, unpinned,
+  they just take turns).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from measure import MemoryProbe, Request
+from specdec import Client
+from specdec.client import stats_dict
+from specdec.launcher import Stack
+
+CLIENT_TIMEOUT_S = 1800.0
+
+
+@dataclass
+class PinnedStack(Stack):
+    """A Stack whose services' command lines get a prefix (taskset, env) per role."""
+
+    prefixes: dict[str, list[str]] = field(default_factory=dict)
+
+    def command(self, name: str) -> list[str]:
+        return self.prefixes.get(name.split("#")[0], []) + super().command(name)
+
+
+def main_stack(log_dir: Path, device: str) -> Stack:
+    target = ["--device", device] if device != "cpu" else []
+    return Stack(log_dir=log_dir, args={"draft": ["--backend", "llama.cpp"], "target": target})
+
+
+def pinned_stack(log_dir: Path, device: str) -> PinnedStack:
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise RuntimeError("the pinned layout needs two cores")
+    one_thread = ["env", "OMP_NUM_THREADS=1", "MKL_NUM_THREADS=1"]  # torch reads these at import
+    target = ["--device", device] if device != "cpu" else []
+    return PinnedStack(log_dir=log_dir, args={"draft": ["--backend", "llama.cpp", "--threads", "1"], "target": target},
+                       prefixes={"draft": ["taskset", "-c", str(cores[0])],
+                                 "target": one_thread + ["taskset", "-c", str(cores[1])]})
+
+
+def service_probe(stack: Stack) -> MemoryProbe:
+    """VmHWM of every service process (env and taskset exec the service, so the pid is its own)."""
+    return MemoryProbe({name: proc.pid for name, proc in stack.processes.items()})
+
+
+def specdec_request(client: Client, index: int, messages: list[dict], options: dict) -> Request:
+    """One streamed generation; the session is ended afterwards (outside the timing) so that
+    worker caches do not fill with finished sessions."""
+    request = Request(index)
+    last = None
+    for chunk in client.stream(messages, **options):
+        request.arrive(list(chunk.token_ids))
+        last = chunk
+    request.finish()
+    request.stats = stats_dict(last.stats)
+    client.end_session(last.session_id)
+    return request
+
+
+def specdec_runner(client: Client, options: dict) -> Callable[[int, list[dict], int], Request]:
+    def run(index: int, messages: list[dict], max_new_tokens: int) -> Request:
+        return specdec_request(client, index, messages, {**options, "max_new_tokens": max_new_tokens})
+
+    return run
+
+
+def run_batch(address: str, jobs: list[tuple[int, list[dict]]], concurrency: int, options: dict,
+              on_done: Callable[[Request, float], None]) -> tuple[list[Request], float]:
+    """c client threads, thread t sending jobs[t::c] one after another, all released together.
+    Returns the requests and the wall time of the whole batch."""
+    clients = [Client(address, timeout_s=CLIENT_TIMEOUT_S) for _ in range(concurrency)]
+    barrier = threading.Barrier(concurrency + 1)
+    done: list[Request] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def worker(t: int) -> None:
+        barrier.wait()
+        try:
+            for index, messages in jobs[t::concurrency]:
+                request = specdec_request(clients[t], index, messages, options)
+                with lock:
+                    done.append(request)
+                    on_done(request, started)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,), daemon=True) for t in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    started = time.perf_counter()
+    barrier.wait()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    for client in clients:
+        client.close()
+    if errors:
+        raise errors[0]
+    return done, wall
