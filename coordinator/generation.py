@@ -71,6 +71,7 @@ class RequestStats:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     last_k: int = 0
+    max_verify_batch_size: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -189,6 +190,7 @@ class Generation:
             stats.draft_ms += rnd.draft_ms
             stats.verify_ms += rnd.verify_ms
             stats.last_k = k
+            stats.max_verify_batch_size = max(stats.max_verify_batch_size, rnd.verify_batch_size)
             stats.wall_ms = (time.perf_counter() - started) * 1e3
             self._account(session, rnd, len(new_ids), out.text if req.messages is not None else None)
             record_round(rnd, len(new_ids))

@@ -68,6 +68,7 @@ class Round:
     num_accepted: int
     draft_ms: float
     verify_ms: float
+    verify_batch_size: int = 1
 
 
 class Speculator:
@@ -110,6 +111,7 @@ class Speculator:
             num_accepted=a,
             draft_ms=(verify_started - started + done - verified) * 1e3,
             verify_ms=(verified - verify_started) * 1e3,
+            verify_batch_size=verdict.batch_size,
         )
 
     def _propose(self, committed_ids: list[int], k: int) -> Draft:

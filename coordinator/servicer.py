@@ -60,6 +60,7 @@ def stats_to_proto(s: RequestStats | SessionStats) -> pb.SpeculationStats:
         mean_accepted_length=(s.accepted + s.rounds) / s.rounds if s.rounds else 0.0,
         wall_ms=s.wall_ms, draft_ms=s.draft_ms, verify_ms=s.verify_ms, overhead_ms=overhead,
         last_k=getattr(s, "last_k", 0),
+        max_verify_batch_size=getattr(s, "max_verify_batch_size", 0),
     )
 
 

@@ -139,3 +139,18 @@ def test_closed_backend_refuses_work():
     b.close()
     with pytest.raises(RuntimeError, match="closed"):
         b.forward(handle, [1], 0)
+
+
+def test_forward_batch_feeds_several_sequences_in_shared_decodes(backend):
+    """Ragged batch: different cached lengths and numbers of new tokens, chunked by n_batch."""
+    a, b = backend.tokenize(PROMPT), backend.tokenize(OTHER)
+    alone_a, alone_b = feed_fresh(backend, [a]), feed_fresh(backend, [b])
+    ha, hb = backend.allocate(), backend.allocate()
+    try:
+        first = backend.forward_batch([(ha, a[:4], 0), (hb, b[:1], 0)])
+        second = backend.forward_batch([(ha, a[4:], 4), (hb, b[1:], 1)])
+    finally:
+        backend.free(ha)
+        backend.free(hb)
+    assert_same_logits(torch.cat([first[0], second[0]]), alone_a)
+    assert_same_logits(torch.cat([first[1], second[1]]), alone_b)

@@ -135,6 +135,29 @@ def test_two_sessions_at_once(client, hf_greedy):
     assert results == {i: hf_greedy(PROMPT_IDS[i], 24) for i in range(2)}
 
 
+@pytest.mark.lossless
+@pytest.mark.parametrize("k, draft", [(0, "none"), (4, "model"), (4, "ngram")])
+def test_greedy_identical_under_batching(tiny_stack, hf_greedy, k, draft):
+    """Eight sessions of different lengths at once: their verify blocks share target passes."""
+    prompts = [[(7 * i + j) % 4000 + 30 for j in range(3 + 9 * i)] for i in range(8)]
+    results: dict[int, object] = {}
+    start = threading.Barrier(len(prompts))
+
+    def run(i: int) -> None:
+        with Client(tiny_stack.address("coordinator"), timeout_s=120) as c:
+            start.wait()
+            results[i] = c.generate(prompts[i], max_new_tokens=24, k=k, draft=draft)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, ids in enumerate(prompts):
+        assert results[i].token_ids == hf_greedy(ids, 24), i
+    assert max(r.stats["max_verify_batch_size"] for r in results.values()) > 1  # batching happened
+
+
 def test_chat_session_multi_turn(client):
     first = client.generate([{"role": "user", "content": "Hello"}], max_new_tokens=8)
     second = client.generate([{"role": "user", "content": "And again"}], max_new_tokens=8,
