@@ -174,7 +174,7 @@ class Generation:
             k = max(0, min(k, remaining - 1, self.limits.max_context - len(session.token_ids) - 1))
             rnd = speculator.round(session.token_ids, k)
             if adaptive:
-                adaptive.observe(rnd.num_drafted, rnd.num_accepted, rnd.draft_ms, rnd.verify_ms)
+                adaptive.observe(rnd.num_drafted, rnd.num_accepted, rnd.draft_ms, rnd.verify_ms, rnd.verify_batch_size)
             new_ids, finish = self._cut(rnd.new_ids, remaining, stop_ids)
             text, keep = out.add(new_ids)
             if keep is not None:

@@ -46,3 +46,12 @@ def test_adaptive_k_tracks_measurements_and_probes_from_zero():
     for _ in range(20):
         adaptive.observe(drafted=4, accepted=4, draft_ms=2, verify_ms=50)
     assert adaptive.next_k() >= 6
+
+
+def test_adaptive_k_falls_with_the_verify_batch_size():
+    alone, crowded = AdaptiveK(max_k=8), AdaptiveK(max_k=8)
+    for _ in range(30):
+        alone.observe(drafted=4, accepted=3, draft_ms=8, verify_ms=100, batch_size=1)
+        crowded.observe(drafted=4, accepted=3, draft_ms=8, verify_ms=100, batch_size=32)
+    assert alone.next_k() > crowded.next_k()
+    assert best_k(alpha=0.6, cost_ratio=0.05, max_k=8, verify_growth=2.0) == 0
