@@ -205,8 +205,10 @@ def cmd_demo(a: argparse.Namespace) -> int:
     stack = _start_stack(a)
     try:
         with Client(stack.address("coordinator")) as client:
-            print(f"\n>>> {a.prompt}\n", file=sys.stderr)
             kwargs = _gen_kwargs(a)
+            for draft in ("default", "none"):  # warm both paths up (first calls pay one-off costs)
+                client.generate("Hi!", chat=True, max_new_tokens=4, draft=draft)
+            print(f"\n>>> {a.prompt}\n", file=sys.stderr)
             spec = stream_to_terminal(client, a.prompt, chat=True, **kwargs)
             print("\n--- the same request with the target alone (K = 0, same path) ---", file=sys.stderr)
             kwargs["draft"] = "none"
