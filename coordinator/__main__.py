@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -19,7 +20,7 @@ from coordinator.text import TextCodec
 from coordinator.workers import ChannelSettings, DraftClient, TargetClient
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
-from specdec_core.errors import FailedPrecondition
+from specdec_core.errors import FailedPrecondition, Unavailable
 from specdec_core.logs import setup_logging
 from specdec_core.models import load_tokenizer
 from specdec_core.security import BearerTokenInterceptor, read_tokens
@@ -48,8 +49,18 @@ def worker_pools(cfg: CoordinatorConfig, routes: dict) -> tuple[Routed, Routed |
     if cfg.draft_address:
         draft = Routed(ReplicaPool("draft", discover(cfg.draft_address),
                                    lambda a: DraftClient(a, retry_budget_s=min(1.0, cfg.draft_retry_s), channel=channel),
-                                   cfg.draft_retry_s), routes)
+                                   cfg.draft_retry_s, fail_fast=True), routes)
     return target, draft
+
+
+def _draft_info(draft: Routed, wait_s: float):
+    """The draft's model info, or None if it is not up yet: the draft is optional (without it
+    generation runs at K = 0), so a coordinator must be able to start during a draft outage."""
+    try:
+        return draft.model_info(wait_s)
+    except Unavailable as exc:
+        log.warning("draft worker not available yet (%s); serving without it until it is", exc)
+        return None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     target, draft = worker_pools(cfg, routes)
     log.info("waiting for the target worker at %s", cfg.target_address)
     target_info = target.model_info(cfg.startup_timeout_s)
-    draft_info = draft.model_info(cfg.startup_timeout_s) if draft else None
+    draft_info = _draft_info(draft, wait_s=min(30.0, cfg.startup_timeout_s)) if draft else None
     codec = TextCodec(load_tokenizer(cfg.tokenizer), cfg.tokenizer)
     if len(codec.tokenizer) > target_info.vocab_size:
         raise FailedPrecondition(f"tokenizer {cfg.tokenizer} has {len(codec.tokenizer)} tokens, "
@@ -75,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
         target=target_info, draft=draft_info, tokenizer=cfg.tokenizer,
         default_num_speculative_tokens=cfg.num_speculative_tokens, default_max_new_tokens=cfg.max_new_tokens,
     )
+    if draft is not None and draft_info is None:  # serve now; describe the draft once it is up
+        threading.Thread(target=lambda: describe.draft.CopyFrom(draft.model_info(float("inf"))), daemon=True).start()
     interceptors = (BearerTokenInterceptor(read_tokens(cfg.auth_tokens_file)),) if cfg.auth_tokens_file else ()
     server = create_server(cfg.server, interceptors)
     workers = [w for w in (draft, target) if w is not None]

@@ -124,14 +124,12 @@ class Generation:
                 f"overloaded: {self.limits.max_concurrent_requests} generations in flight; retry with backoff")
         try:
             session = self.store.load(req.session_id) if req.session_id else self.store.new(req.seed)
-            lease = self.store.acquire(session.session_id)
-            self.routes[session.session_id] = session.routes  # routed workers update it in place
-            try:
-                with log_context(session_id=session.session_id):
+            with self.store.held(session.session_id), log_context(session_id=session.session_id):
+                self.routes[session.session_id] = session.routes  # routed workers update it in place
+                try:
                     yield from self._run(req, session, is_cancelled)
-            finally:
-                self.routes.pop(session.session_id, None)
-                self.store.release(session.session_id, lease)
+                finally:
+                    self.routes.pop(session.session_id, None)
         finally:
             self._slots.release()
 
@@ -198,7 +196,6 @@ class Generation:
                 text += out.flush()
                 session.stats.wall_ms += stats.wall_ms
             self.store.commit(session, new_ids)  # before the client sees them
-            self.store.renew(session.session_id)
             if finish is None:
                 yield Chunk(session.session_id, text, new_ids)
                 continue

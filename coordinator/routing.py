@@ -173,14 +173,21 @@ class ReplicaPool:
     """The live replicas of one role, a client per replica, and the session -> replica choice."""
 
     def __init__(self, role: str, discovery: Discovery, make_client: Callable[[str], object],
-                 retry_budget_s: float, down_for_s: float = 5.0):
+                 retry_budget_s: float, down_for_s: float = 1.0, max_down_for_s: float = 30.0,
+                 fail_fast: bool = False):
         self.role = role
         self.discovery = discovery
         self.make_client = make_client
         self.retry_budget_s = retry_budget_s
         self.down_for_s = down_for_s
+        self.max_down_for_s = max_down_for_s
+        # fail_fast: while every replica is marked down, fail at once instead of retrying (for an
+        # optional role such as the draft: decoding goes on without it, and one call in each
+        # back-off period probes whether it is back).
+        self.fail_fast = fail_fast
         self._clients: dict[str, object] = {}
         self._down_until: dict[str, float] = {}
+        self._failures: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def choose(self, session_id: str, preferred: str | None) -> str:
@@ -198,22 +205,40 @@ class ReplicaPool:
             return self._clients[address]
 
     def mark_down(self, address: str) -> None:
-        self._down_until[address] = time.monotonic() + self.down_for_s
+        """Avoid the replica for a while; the while doubles with each failure in a row."""
+        failures = self._failures.get(address, 0) + 1
+        self._failures[address] = failures
+        backoff = min(self.max_down_for_s, self.down_for_s * 2 ** (failures - 1))
+        self._down_until[address] = time.monotonic() + backoff
+
+    def mark_up(self, address: str) -> None:
+        if self._failures.pop(address, None):
+            self._down_until.pop(address, None)
+
+    def all_down(self) -> bool:
+        now = time.monotonic()
+        live = self.discovery.addresses()
+        return bool(live) and all(self._down_until.get(a, 0) > now for a in live)
 
     def call(self, session_id: str, routes: dict[str, str], fn: Callable):
         """fn(client) on the session's replica; on UNAVAILABLE move the session to another live
         replica, until the retry budget is spent. routes[role] is updated with the replica used."""
+        if self.fail_fast and self.all_down():
+            raise Unavailable(f"every {self.role} replica is down (backing off)")
         deadline = time.monotonic() + self.retry_budget_s
         while True:
             address = self.choose(session_id, routes.get(self.role))
             routes[self.role] = address
             try:
-                return fn(self.client(address))
+                result = fn(self.client(address))
             except Unavailable:
                 self.mark_down(address)
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= deadline or (self.fail_fast and self.all_down()):
                     raise
                 log.info("%s replica %s unavailable; session %s moves", self.role, address, session_id)
+                continue
+            self.mark_up(address)
+            return result
 
     def addresses(self) -> list[str]:
         return self.discovery.addresses()

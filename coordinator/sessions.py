@@ -7,14 +7,18 @@ Layout per session (both keys expire together after `ttl_seconds` of inactivity)
 Every commit is one Lua script: compare the version the writer read, append the new tokens,
 bump the version, rewrite meta. Two writers racing on one session cannot both win, and a reader
 never sees tokens without the version that covers them. A short lease
-(`specdec:session:{id}:lease`) marks a session busy while a request runs on it.
+(`specdec:session:{id}:lease`) marks a session busy while a request runs on it; a heartbeat keeps
+it alive, so a coordinator that crashes leaves its sessions locked for seconds only.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import redis
@@ -72,7 +76,7 @@ class Session:
 
 
 class SessionStore:
-    def __init__(self, client: redis.Redis, ttl_seconds: int = 86400, lease_seconds: int = 120):
+    def __init__(self, client: redis.Redis, ttl_seconds: int = 86400, lease_seconds: int = 10):
         self.redis = client
         self.ttl_seconds = ttl_seconds
         self.lease_seconds = lease_seconds
@@ -133,6 +137,28 @@ class SessionStore:
     def renew(self, session_id: str) -> None:
         with self._errors():
             self.redis.expire(self._keys(session_id)[2], self.lease_seconds)
+
+    @contextmanager
+    def held(self, session_id: str) -> Iterator[None]:
+        """Hold the session's lease (FAILED_PRECONDITION if busy), renewed by a heartbeat thread
+        while the body runs: a round may legitimately take longer than the lease."""
+        token = self.acquire(session_id)
+        stop = threading.Event()
+
+        def heartbeat() -> None:
+            while not stop.wait(self.lease_seconds / 3):
+                try:
+                    self.renew(session_id)
+                except Unavailable:
+                    pass  # Redis is down; the request fails on its next commit
+
+        thread = threading.Thread(target=heartbeat, daemon=True, name="lease-heartbeat")
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            self.release(session_id, token)
 
     def release(self, session_id: str, token: str) -> None:
         with self._errors():

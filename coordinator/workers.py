@@ -86,7 +86,7 @@ class WorkerClient:
                     raise _domain_error(self.role, code, details) from err
                 if time.monotonic() + delay > deadline:
                     raise Unavailable(
-                        f"{self.role} worker at {self.address} unavailable after {budget:.0f} s of retries: "
+                        f"{self.role} worker at {self.address} unavailable after {budget:.1f} s of retries: "
                         f"{code.name}: {details}"
                     ) from err
                 log.info("%s worker %s: %s, retrying in %.2f s", self.role, self.address, code.name, delay)

@@ -445,7 +445,7 @@ def test_coordinator_starts_while_the_draft_is_down(healthy_without_draft, hf_gr
 def test_sigterm_drains_in_flight_streams(healthy_without_draft, hf_greedy):
     # K = 0 (one round per token, no draft involved, so the same whether the draft is up or not): a
     # long stream that is still running when the signal comes.
-    stack, n = healthy_without_draft, 800
+    stack, n = healthy_without_draft, 400
     with make_client(stack) as client:
         call = stream_call(client, PROMPT, max_new_tokens=n, k=0)
         chunks = [next(call) for _ in range(2)]

@@ -220,12 +220,10 @@ def test_health_without_token(secure_stack, pki):
 
 # ---- e. the workers require the coordinator's client certificate -------------------------------
 
-def worker_calls(secure_stack):
-    return {
-        "target": lambda ch: target_pb2_grpc.TargetStub(ch).GetTargetModel(target_pb2.GetTargetModelRequest(),
-                                                                             timeout=10),
-        "draft": lambda ch: draft_pb2_grpc.DraftStub(ch).GetDraftModel(draft_pb2.GetDraftModelRequest(), timeout=10),
-    }
+WORKER_CALLS = {
+    "target": lambda ch: target_pb2_grpc.TargetStub(ch).GetTargetModel(target_pb2.GetTargetModelRequest(), timeout=10),
+    "draft": lambda ch: draft_pb2_grpc.DraftStub(ch).GetDraftModel(draft_pb2.GetDraftModelRequest(), timeout=10),
+}
 
 
 def test_workers_require_client_certificate(secure_stack, pki):
@@ -238,7 +236,7 @@ def test_workers_require_client_certificate(secure_stack, pki):
     good = grpc.ssl_channel_credentials(root_certificates=ca,
                                         private_key=(pki / "coordinator-client.key").read_bytes(),
                                         certificate_chain=(pki / "coordinator-client.crt").read_bytes())
-    for role, call in worker_calls(secure_stack).items():
+    for role, call in WORKER_CALLS.items():
         address = secure_stack.address(role)
         for what, credentials in (("no client certificate", no_cert), ("a rogue CA's certificate", rogue)):
             with grpc.secure_channel(address, credentials, options=name_override) as ch:
