@@ -45,6 +45,8 @@ def parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate from a running coordinator, streaming to the terminal")
     g.add_argument("prompt", help="the prompt (sent as a user chat message unless --raw)")
     g.add_argument("--address", default=os.environ.get("SPECDEC_ADDRESS", "localhost:50050"))
+    g.add_argument("--token", default=os.environ.get("SPECDEC_TOKEN", ""), help="bearer token (or SPECDEC_TOKEN)")
+    g.add_argument("--tls-ca", default=os.environ.get("SPECDEC_TLS_CA", ""), help="CA file: connect with TLS")
     _generation_flags(g)
     g.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
     g.add_argument("--session", default="", help="continue this session")
@@ -142,7 +144,7 @@ def format_stats(s: dict) -> str:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    with Client(a.address) as client:
+    with Client(a.address, token=a.token, tls_ca=a.tls_ca) as client:
         stats = stream_to_terminal(client, a.prompt, quiet=a.quiet, chat=not a.raw, session_id=a.session,
                                    **_gen_kwargs(a))
         if a.end_session:

@@ -85,10 +85,18 @@ def stats_dict(stats: pb.SpeculationStats) -> dict:
 
 
 class Client:
+    """address: host:port of a coordinator. credentials: e.g. `grpc.ssl_channel_credentials(ca)`
+    for a TLS endpoint (or tls_ca: a CA file path). token: sent as `authorization: Bearer <token>`."""
+
     def __init__(self, address: str = "localhost:50050", timeout_s: float | None = None,
-                 credentials: grpc.ChannelCredentials | None = None):
+                 credentials: grpc.ChannelCredentials | None = None, token: str = "", tls_ca: str = ""):
+        if credentials is None and tls_ca:
+            with open(tls_ca, "rb") as f:
+                credentials = grpc.ssl_channel_credentials(f.read())
         self.channel = (grpc.secure_channel(address, credentials) if credentials
                         else grpc.insecure_channel(address))
+        if token:
+            self.channel = grpc.intercept_channel(self.channel, _BearerToken(token))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.timeout_s = timeout_s
 
@@ -122,3 +130,17 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    def __init__(self, token: str):
+        self.metadata = ("authorization", f"Bearer {token}")
+
+    def _with_token(self, details):
+        return details._replace(metadata=[*(details.metadata or ()), self.metadata])
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_token(details), request)

@@ -160,6 +160,17 @@ def test_tls_client_with_token_generates(secure_stack, pki, client, hf_greedy):
         assert len(generate(by_name, "Hello", bearer(TOKENS[0]), max_new_tokens=3).token_ids) == 3
 
 
+def test_client_library_sends_the_token(secure_stack, pki, hf_greedy):
+    address = f"127.0.0.1:{secure_stack.ports['coordinator']}"
+    with Client(address, tls_ca=str(pki / "ca.crt"), token=TOKENS[0], timeout_s=60) as good:
+        assert good.generate(IDS, max_new_tokens=8, k=4).token_ids == hf_greedy(IDS, 8)
+        assert [t for c in good.stream(IDS, max_new_tokens=8) for t in c.token_ids] == hf_greedy(IDS, 8)
+    with Client(address, tls_ca=str(pki / "ca.crt"), token="wrong", timeout_s=60) as bad:
+        with pytest.raises(grpc.RpcError) as err:
+            bad.generate(IDS, max_new_tokens=2)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
 # ---- b. plaintext is refused -------------------------------------------------------------------
 
 def test_plaintext_client_fails(secure_stack):
