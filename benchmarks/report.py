@@ -91,6 +91,7 @@ def overhead_per_round(rows: list[dict]) -> float | None:
 
 
 def summary_notes(top: int, best: str | None, hf_best: str | None, hf: dict) -> dict:
+    hf_values = ", ".join(f"{k} {v:.1f}" for k, v in hf.items() if v)
     return {
         "model_draft_c1_vs_target": "chat set, c1: model draft K=5 overlap on / target_k0 (K=0, same path), "
                                     "aggregate tokens/s",
@@ -98,8 +99,8 @@ def summary_notes(top: int, best: str | None, hf_best: str | None, hf: dict) -> 
                                         "prompt_lookup_num_tokens=10, same prompts",
         "c8_vs_hf_assisted": f"input-grounded set: best speculative config at c{top} ({best}) aggregate tokens/s / "
                              f"what transformers achieves serving the same requests sequentially, the better of "
-                             f"greedy and prompt lookup ({hf_best}; {', '.join(f'{k} {v:.1f}' for k, v in hf.items() if v)}"
-                             " tok/s). An HF assisted generate with the llama.cpp draft is impossible (GGUF-only).",
+                             f"greedy and prompt lookup ({hf_best}; {hf_values} tok/s)."
+                             " An HF assisted generate with the llama.cpp draft is impossible (GGUF-only).",
         "c8_vs_own_c1": f"input-grounded set: {best} aggregate tokens/s at c{top} / the same config at c1",
         "overhead_ms_per_round": "model draft K=5 overlap on, c1, all prompt sets pooled: (wall - draft - verify) "
                                  "per round as the coordinator measures it (network + Redis + coordinator)",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 SERVICES = {"draft": "d", "target": "t", "coordinator": "c", "redis": "r", "benchmark_process": "bench"}
 SUMMARY_FORMAT = {"overhead_ms_per_round": "{:.1f} ms"}
+QUICK = ["**--quick run: a harness check (2 prompts per set, 32 new tokens), not a measurement.**", ""]
 COLUMNS = ("configuration", "c", "tok/s aggregate", "tok/s per request", "vs target_k0", "TTFT p50 / p99 ms",
            "ITL p50 / p99 ms", "acceptance", "tokens per pass: measured / Leviathan",
            "ms per round: draft / verify / overhead", "identical to target_k0", "peak RSS MB")
@@ -17,8 +18,10 @@ def markdown(result: dict) -> str:
         f"{meta['started']}, {meta['wall_s'] / 60:.1f} min; device {plan['device']}; "
         f"{meta['machine_at_start']['cpus']} CPUs (load at start {_load(meta['machine_at_start'])}); "
         f"{plan['max_new_tokens']} new tokens; concurrency {', '.join(map(str, plan['levels']))}; "
-        f"target: {meta['models']['target']}; draft: {meta['models']['draft']}.",
+        f"target: {meta['models']['target']}; draft: {meta['models']['draft']}. "
+        f"Load at the end {_load(meta['machine_at_end'])}. Command: `benchmarks/run.py {' '.join(meta['argv'])}`.",
         "",
+        *(QUICK if "--quick" in meta["argv"] else []),
         "## Summary",
         "",
         "| metric | value | basis |",
@@ -43,12 +46,13 @@ def table(rows: list[dict]) -> list[str]:
     for r in rows:
         s, spec = r["stats"], r["stats"]["speculation"] or {}
         per = spec.get("ms_per_round")
-        lev = spec.get("leviathan_at_mean_k") if r["config"] == "model_adaptive" else spec.get("leviathan_expected_length")
+        lev = spec.get("leviathan_at_mean_k" if r["config"] == "model_adaptive" else "leviathan_expected_length")
+        passes = f"{_f(spec.get('mean_accepted_length'), 2)} / {_f(lev, 2)}"
         cells = [
             r["config"], r["concurrency"], _f(s["tokens_per_s"], 1), _f(s["tokens_per_s_per_request"], 1),
             _f(s["vs_target_k0"], 2, "x"), _pair(s["ttft_ms"], 0), _pair(s["itl_ms"], 1),
             _f(spec.get("acceptance_rate"), 3),
-            f"{_f(spec.get('mean_accepted_length'), 2)} / {_f(lev, 2)}" if spec.get("acceptance_rate") is not None else "-",
+            passes if spec.get("acceptance_rate") is not None else "-",
             " / ".join(_f(per[k], 1) for k in ("draft", "verify", "overhead")) if per else "-",
             _f(s["identical_to_target_k0"] and 100 * s["identical_to_target_k0"], 0, "%"),
             _memory(r["memory_mb"]),

@@ -25,6 +25,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,7 +66,7 @@ class Plan:
 
 @dataclass
 class Runner:
-    run: callable  # (prompt index, messages, max new tokens) -> Request
+    run: Callable[[int, list[dict], int], Request]  # (prompt index, messages, max new tokens)
     probe: MemoryProbe
     k: int | None
     only_set: str | None = None

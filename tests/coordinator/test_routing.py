@@ -11,7 +11,7 @@ import pytest
 import redis
 from kubernetes import client as k8s
 
-from conftest import start_stack
+from stacks import start_stack
 from coordinator.routing import EndpointSliceWatch, ReplicaPool, from_dns, from_file, rendezvous, static
 from specdec import Client
 from specdec.launcher import free_port

@@ -26,7 +26,7 @@ import grpc
 import pytest
 import redis
 
-from conftest import start_stack
+from stacks import start_stack
 from specdec import Client
 from specdec.client import build_input
 from specdec.launcher import free_port, redis_server_binary, wait_serving

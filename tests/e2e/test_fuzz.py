@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import start_stack
+from stacks import start_stack
 from specdec.v1 import common_pb2
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc

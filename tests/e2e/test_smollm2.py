@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import ReferenceDecoder, start_stack
+from stacks import ReferenceDecoder, start_stack
 from specdec import Client
 from specdec_core.models import load_tokenizer
 

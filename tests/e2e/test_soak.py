@@ -16,7 +16,7 @@ from collections import defaultdict
 import pytest
 import redis
 
-from conftest import start_stack
+from stacks import start_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.soak]
 

@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from conftest import start_stack
+from stacks import start_stack
 from specdec import Client
 
 pytestmark = [pytest.mark.tp, pytest.mark.e2e]
