@@ -21,7 +21,8 @@ NOTES = [
     "model_adaptive: K chosen per round by Leviathan's formula from measured alpha and cost, at most 8; its "
     "Leviathan column uses the mean K it drafted.",
     "Peak RSS (VmHWM, MB, reset per configuration): d draft, t target, c coordinator, r redis; bench = the benchmark "
-    "process, which holds the transformers model and the llama.cpp reference at once.",
+    "process, which holds the transformers model and the llama.cpp reference at once. CPU memory only: GPU memory "
+    "is not measured.",
     "pinned layout: draft on one core (1 llama.cpp thread), target on the other (1 torch thread); coordinator and "
     "Redis unpinned.",
 ]
@@ -70,7 +71,7 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
     hf = {c: tps(rows, "main", "grounded", c, 1) for c in HF}
     hf_best = max((c for c in hf if hf[c]), key=hf.get, default=None)
     summary = {
-        "model_draft_c1_vs_target": ratio(tps(rows, "main", "chat", "model_k5_overlap", 1),
+        "model_draft_c1_vs_target": ratio(tps(rows, "main", "chat", "model_k5_no_overlap", 1),
                                           tps(rows, "main", "chat", "target_k0", 1)),
         "ngram_c1_vs_hf_prompt_lookup": ratio(tps(rows, "main", "grounded", "ngram_k8", 1),
                                               tps(rows, "main", "grounded", "hf_prompt_lookup", 1)),
@@ -84,7 +85,7 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
 
 
 def overhead_per_round(rows: list[dict]) -> float | None:
-    stats = [q.stats for r in rows if (r["layout"], r["config"], r["concurrency"]) == ("main", "model_k5_overlap", 1)
+    stats = [q.stats for r in rows if (r["layout"], r["config"], r["concurrency"]) == ("main", "model_k5_no_overlap", 1)
              for q in r["requests"]]
     rounds = sum(s["rounds"] for s in stats)
     return sum(s["overhead_ms"] for s in stats) / rounds if rounds else None
@@ -102,7 +103,7 @@ def summary_notes(top: int, best: str | None, hf_best: str | None, hf: dict) -> 
                              f"greedy and prompt lookup ({hf_best}; {hf_values} tok/s)."
                              " An HF assisted generate with the llama.cpp draft is impossible (GGUF-only).",
         "c8_vs_own_c1": f"input-grounded set: {best} aggregate tokens/s at c{top} / the same config at c1",
-        "overhead_ms_per_round": "model draft K=5 overlap on, c1, all prompt sets pooled: (wall - draft - verify) "
+        "overhead_ms_per_round": "model draft K=5 overlap off, c1, all prompt sets pooled: (wall - draft - verify) "
                                  "per round as the coordinator measures it (network + Redis + coordinator)",
         "overlap_pinned_vs_no_overlap": "pinned layout (draft core 0 / 1 thread, target core 1 / 1 thread), chat "
                                         "set, c1: model draft K=5 overlap on / overlap off",

@@ -25,7 +25,7 @@ class CoordinatorConfig:
     draft_retry_s: float = 2.0
     startup_timeout_s: float = 600.0
     max_concurrent_requests: int = 64
-    overlap: bool = True
+    overlap: bool = False
     auth_tokens_file: str = ""
     worker_tls: TlsFiles = TlsFiles()
     worker_tls_server_name: str = ""
@@ -69,8 +69,9 @@ class CoordinatorConfig:
         p.add_argument("--max-concurrent-requests", type=int,
                        default=int(env("SPECDEC_MAX_CONCURRENT_REQUESTS", cls.max_concurrent_requests)),
                        help="generations served at once; more get RESOURCE_EXHAUSTED")
-        p.add_argument("--no-overlap", dest="overlap", action="store_false",
-                       help="do not draft the next block while the target verifies (default: overlap)")
+        p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=cls.overlap,
+                       help="draft the next block while the target verifies this one (default: off; it pays "
+                            "when draft and target have their own cores or machines, and costs when they share)")
         p.add_argument("--auth-tokens-file", default=env("SPECDEC_AUTH_TOKENS_FILE", ""),
                        help="require 'authorization: Bearer <token>' with a token from this file (one a line)")
         p.add_argument("--worker-tls-cert", default=env("SPECDEC_WORKER_TLS_CERT", ""),

@@ -101,7 +101,7 @@ class Limits:
     default_max_new_tokens: int
     default_k: int
     max_concurrent_requests: int = 64
-    overlap: bool = True
+    overlap: bool = False
 
 
 class Generation:

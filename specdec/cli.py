@@ -93,8 +93,8 @@ def _generation_flags(p: argparse.ArgumentParser, max_new_tokens: int | None = N
                    help="drafting method; none = plain target decoding")
     p.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=None, help="draft tokens per round")
     p.add_argument("--adaptive", action="store_true", help="choose K per round from the measured acceptance")
-    p.add_argument("--no-overlap", dest="overlap", action="store_const", const=False, default=None,
-                   help="do not draft the next block while the target verifies this one")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="draft the next block while the target verifies this one (default: the server's)")
     p.add_argument("--min-draft-confidence", type=float, default=0.0,
                    help="end a draft block when the draft's confidence falls below this")
 
