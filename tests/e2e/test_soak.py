@@ -3,12 +3,15 @@ tiny local stack. No request may fail, and for every request the tokens the clie
 be exactly the ones the session committed to Redis at that point of the session (none lost, none
 duplicated, none the client was not told about).
 
-Run: pytest -m soak -o addopts="" tests/e2e/test_soak.py -s   (prints the summary figures)
+Run: pytest -m soak tests/e2e/test_soak.py -s   (prints the summary figures)
+The long soak on the embedded pair (SmolLM2 target, llama.cpp draft), ten minutes:
+    SPECDEC_SOAK_MODEL=smollm2 SPECDEC_SOAK_SECONDS=600 pytest -m soak tests/e2e/test_soak.py -s
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections import defaultdict
@@ -21,14 +24,18 @@ from stacks import start_stack
 pytestmark = [pytest.mark.e2e, pytest.mark.soak]
 
 USERS = 8
-DURATION_S = 60
+DURATION_S = int(os.environ.get("SPECDEC_SOAK_SECONDS", "60"))
+MODEL = os.environ.get("SPECDEC_SOAK_MODEL", "")  # empty: the tiny pair
 MAX_NEW_TOKENS = 48
 TURNS = 2
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_pair, tmp_path_factory):
-    stack = start_stack(*tiny_pair, tmp_path_factory.mktemp("logs"))
+def stack(request, tmp_path_factory):
+    if MODEL:
+        stack = start_stack(MODEL, MODEL, tmp_path_factory.mktemp("logs"), args={"draft": ["--backend", "llama.cpp"]})
+    else:
+        stack = start_stack(*request.getfixturevalue("tiny_pair"), tmp_path_factory.mktemp("logs"))
     yield stack
     stack.down()
 
