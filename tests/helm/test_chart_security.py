@@ -425,7 +425,6 @@ def test_locust_scripts_find_the_locustfile_and_pass_the_arguments(releases, nam
 def test_locust_accepts_the_options_the_chart_passes(releases):
     """Parse every master and worker command line with locust's own parser, the locustfile's options
     included, in a subprocess (importing locust monkey-patches the standard library)."""
-    pytest.importorskip("locust")
     argvs = [release.container(f"loadtest-{role}")["args"] for name in LOADTEST_SETS
              for release in [releases[name]] for role in ("master", "worker")]
     code = (
