@@ -70,3 +70,10 @@ def test_unknown_session_is_not_found(client):
 
 def test_still_serves_after_bad_input(client):
     assert len(client.generate([1, 2, 3], max_new_tokens=5).token_ids) == 5
+
+
+def test_oversized_message_is_refused_by_grpc_limits(client):
+    huge = "x" * (17 * 1024 * 1024)  # over the 16 MiB receive limit
+    code, details = status_of(lambda: client.generate(huge, max_new_tokens=1))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+    assert len(client.generate([1, 2, 3], max_new_tokens=2).token_ids) == 2  # still serving
