@@ -94,3 +94,25 @@ def test_redis_down_is_unavailable():
         dead.load("x")
     with pytest.raises(Unavailable):
         dead.commit(dead.new(seed=1), [1])
+
+
+def test_redis_auth(tmp_path):
+    import subprocess
+
+    from specdec.launcher import _wait_port, free_port, redis_server_binary
+
+    port = free_port()
+    server = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no", "--requirepass", "s3cret", "--dir", str(tmp_path)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_port(port, 10)
+        good = SessionStore(connect_redis(f"redis://:s3cret@127.0.0.1:{port}/0"))
+        s = good.new(seed=1)
+        good.commit(s, [1, 2])
+        assert good.load(s.session_id).token_ids == [1, 2]
+        with pytest.raises(Unavailable):
+            SessionStore(connect_redis(f"redis://:wrong@127.0.0.1:{port}/0")).load(s.session_id)
+    finally:
+        server.terminate()
+        server.wait()
