@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from coordinator.adaptive import AdaptiveK
 from coordinator.loop import Proposer, Speculator, Verifier
-from coordinator.sessions import Session, SessionStore
+from coordinator.sessions import Session, SessionStats, SessionStore
 from coordinator.text import OutputText, TextCodec
 from specdec_core import metrics
 from specdec_core.errors import Cancelled, InvalidArgument, ResourceExhausted
@@ -182,11 +182,7 @@ class Generation:
                 finish = Finish.LENGTH
             if finish is None and len(session.token_ids) + len(new_ids) >= self.limits.max_context:
                 finish = Finish.CONTEXT
-            stats.rounds += 1
-            stats.drafted += rnd.num_drafted
-            stats.accepted += rnd.num_accepted
-            stats.draft_ms += rnd.draft_ms
-            stats.verify_ms += rnd.verify_ms
+            _count_round(stats, rnd)
             stats.last_k = k
             stats.max_verify_batch_size = max(stats.max_verify_batch_size, rnd.verify_batch_size)
             stats.wall_ms = (time.perf_counter() - started) * 1e3
@@ -213,13 +209,8 @@ class Generation:
 
     @staticmethod
     def _account(session: Session, rnd, num_new: int, assistant_text: str | None) -> None:
-        s = session.stats
-        s.rounds += 1
-        s.drafted += rnd.num_drafted
-        s.accepted += rnd.num_accepted
-        s.generated += num_new
-        s.draft_ms += rnd.draft_ms
-        s.verify_ms += rnd.verify_ms
+        _count_round(session.stats, rnd)
+        session.stats.generated += num_new
         if assistant_text is not None:
             session.messages[-1]["content"] = assistant_text
 
@@ -274,6 +265,15 @@ class Generation:
         bad = [t for t in ids if not 0 <= t < self.limits.vocab_size]
         if bad:
             raise InvalidArgument(name, f"token id {bad[0]} outside the vocabulary [0, {self.limits.vocab_size})")
+
+
+def _count_round(stats: RequestStats | SessionStats, rnd) -> None:
+    """Add one round to a request's or a session's running totals."""
+    stats.rounds += 1
+    stats.drafted += rnd.num_drafted
+    stats.accepted += rnd.num_accepted
+    stats.draft_ms += rnd.draft_ms
+    stats.verify_ms += rnd.verify_ms
 
 
 def record_round(rnd, num_committed: int) -> None:

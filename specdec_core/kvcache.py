@@ -136,23 +136,27 @@ class SessionCaches:
     def num_sessions(self) -> int:
         return len(self._sequences)
 
+    def _idle_oldest_first(self) -> list[str]:
+        return [sid for _, sid in sorted((s.last_used, sid) for sid, s in self._sequences.items() if not s.is_in_use)]
+
+    def _evict(self, session_id: str) -> CachedSequence:
+        seq = self._sequences.pop(session_id)
+        self.backend.free(seq.handle)
+        metrics.CACHE_EVICTIONS.labels(self.role).inc()
+        return seq
+
     def _evict_idle(self, count: int) -> None:
-        idle = sorted((s.last_used, sid) for sid, s in self._sequences.items() if not s.is_in_use)
+        idle = self._idle_oldest_first()
         if len(idle) < count:
             raise ResourceExhausted(f"all {len(self._sequences)} cache slots are in use")
-        for _, sid in idle[:count]:
-            self.backend.free(self._sequences.pop(sid).handle)
-            metrics.CACHE_EVICTIONS.labels(self.role).inc()
+        for sid in idle[:count]:
+            self._evict(sid)
 
     def _evict_over_budget(self) -> None:
         total = self.num_tokens
         if total <= self.max_tokens:
             return
-        idle = sorted((s.last_used, sid) for sid, s in self._sequences.items() if not s.is_in_use)
-        for _, sid in idle:
+        for sid in self._idle_oldest_first():
             if total <= self.max_tokens:
                 break
-            seq = self._sequences.pop(sid)
-            total -= len(seq.token_ids)
-            self.backend.free(seq.handle)
-            metrics.CACHE_EVICTIONS.labels(self.role).inc()
+            total -= len(self._evict(sid).token_ids)
