@@ -73,14 +73,6 @@ class RequestStats:
     last_k: int = 0
     max_verify_batch_size: int = 0
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
-
 
 @dataclass(frozen=True)
 class Chunk:
