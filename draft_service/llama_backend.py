@@ -117,14 +117,18 @@ class LlamaCppBackend:
         self._check_open()
         return int(llama_cpp.llama_memory_seq_pos_max(self._memory, handle)) + 1
 
-    def forward(self, handle: int, token_ids: list[int], start: int) -> torch.Tensor:
-        return self.forward_batch([(handle, token_ids, start)])[0]
+    def forward(self, handle: int, token_ids: list[int], start: int, num_logits: int | None = None) -> torch.Tensor:
+        return self.forward_batch([(handle, token_ids, start)], None if num_logits is None else [num_logits])[0]
 
-    def forward_batch(self, items: list[tuple[int, list[int], int]]) -> list[torch.Tensor]:
-        """Feed several sequences in shared llama_decode calls (up to n_batch tokens each);
-        per item, the logits of every fed token [len, V]."""
-        outs = [torch.empty((len(ids), self.vocab_size), dtype=torch.float32) for _, ids, _ in items]
-        flat = [(k, i) for k, (_, ids, _) in enumerate(items) for i in range(len(ids))]
+    def forward_batch(self, items: list[tuple[int, list[int], int]],
+                      num_logits: list[int] | None = None) -> list[torch.Tensor]:
+        """Feed several sequences in shared llama_decode calls (up to n_batch tokens each); per
+        item, the logits of its last `num_logits[i]` fed tokens (default all) [num_logits[i], V].
+        llama.cpp computes and copies out logits only for the tokens flagged for output."""
+        keep = [len(ids) if num_logits is None else max(0, min(int(k), len(ids)))
+                for (_, ids, _), k in zip(items, num_logits or [None] * len(items))]
+        outs = [torch.empty((k, self.vocab_size), dtype=torch.float32) for k in keep]
+        flat = [(k, i, i >= len(ids) - keep[k]) for k, (_, ids, _) in enumerate(items) for i in range(len(ids))]
         with self._lock:
             for handle, ids, start in items:
                 if start + len(ids) > self.max_context:
@@ -135,22 +139,25 @@ class LlamaCppBackend:
             for lo in range(0, len(flat), self.n_batch):
                 chunk = flat[lo : lo + self.n_batch]
                 self._decode(items, chunk)
-                rows = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, 0),
-                                             shape=(len(chunk), self.vocab_size))  # outputs lie contiguously
-                for j, (k, i) in enumerate(chunk):
-                    outs[k].numpy()[i] = rows[j]
+                wanted = [(k, i) for k, i, out in chunk if out]
+                if not wanted:
+                    continue
+                rows = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self._ctx),
+                                             shape=(len(wanted), self.vocab_size))  # outputs lie contiguously
+                for j, (k, i) in enumerate(wanted):
+                    outs[k].numpy()[i - (len(items[k][1]) - keep[k])] = rows[j]
         return outs
 
-    def _decode(self, items: list[tuple[int, list[int], int]], chunk: list[tuple[int, int]]) -> None:
+    def _decode(self, items: list[tuple[int, list[int], int]], chunk: list[tuple[int, int, bool]]) -> None:
         batch = self._batch
         batch.n_tokens = len(chunk)
-        for j, (k, i) in enumerate(chunk):
+        for j, (k, i, out) in enumerate(chunk):
             handle, ids, start = items[k]
             batch.token[j] = ids[i]
             batch.pos[j] = start + i
             batch.n_seq_id[j] = 1
             batch.seq_id[j][0] = handle
-            batch.logits[j] = 1
+            batch.logits[j] = 1 if out else 0
         rc = llama_cpp.llama_decode(self._ctx, batch)
         if rc != 0:
             for handle, _, start in items:

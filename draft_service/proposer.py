@@ -93,7 +93,7 @@ class ModelProposer:
                 drafting[i] = _Drafting(task, seq, k, n - len(seq.token_ids))
             feeds = [(d, d.task.committed_ids[len(d.seq.token_ids):]) for d in drafting.values()]
             while feeds:
-                logits = self.caches.extend_batch([(d.seq, ids) for d, ids in feeds])
+                logits = self.caches.extend_batch([(d.seq, ids) for d, ids in feeds], [1] * len(feeds))
                 feeds = [(d, [token]) for (d, _), rows in zip(feeds, logits)
                          if (token := self._step(d, rows[-1])) is not None]
         compute_ms = (time.perf_counter() - started) * 1e3

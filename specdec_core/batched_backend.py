@@ -38,10 +38,15 @@ import threading
 from typing import Any
 
 import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from specdec_core.errors import ResourceExhausted
 
-_SUPPORTED_ATTENTION = ("sdpa", "eager", "paged|eager")
+_ATTENTION = "specdec_paged"
+_SUPPORTED_ATTENTION = ("sdpa", "eager", _ATTENTION)
 
 
 class PagedSequence:
@@ -58,16 +63,28 @@ class PagedSequence:
         return f"PagedSequence(length={self.length}, blocks={len(self.blocks)})"
 
 
+class _Item:
+    """One sequence's part of a batch: its rows in the flattened query, the pool slots of its keys
+    0..end (None for a fresh prefill, whose keys are exactly the new ones) and its causal mask
+    (None when one query row sees every key)."""
+
+    __slots__ = ("q0", "q1", "read", "mask", "is_causal")
+
+    def __init__(self, q0: int, q1: int, read: torch.Tensor | None, mask: torch.Tensor | None, is_causal: bool):
+        self.q0, self.q1, self.read, self.mask, self.is_causal = q0, q1, read, mask, is_causal
+
+
 class _BatchView:
-    """What the model sees as its cache during one forward pass: writes the new keys/values of
-    every layer into the pool and returns the keys/values of all sequences in the batch."""
+    """What the model sees as its cache during one forward pass: `update` writes the new keys and
+    values of every layer into the pool; `attend` (called by the model's attention, through
+    `_paged_attention`) runs each sequence's queries against that sequence's keys only."""
 
     is_compileable = False
 
-    def __init__(self, backend: BatchedBackend, write_index: torch.Tensor, read_index: torch.Tensor | None):
+    def __init__(self, backend: BatchedBackend, write_index: torch.Tensor, items: list[_Item]):
         self.backend = backend
         self.write_index = write_index  # [T] slots of the new tokens, in batch order
-        self.read_index = read_index  # [S] slots of every sequence's keys 0..end, or None: no past
+        self.items = items
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: Any = None, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,11 +92,37 @@ class _BatchView:
         k_pool, v_pool = self.backend._pools(layer_idx, key_states)
         k_pool.index_copy_(0, self.write_index, key_states[0].transpose(0, 1))
         v_pool.index_copy_(0, self.write_index, value_states[0].transpose(0, 1))
-        if self.read_index is None:  # every sequence starts empty: the new keys are all its keys
-            return key_states, value_states
-        keys = k_pool.index_select(0, self.read_index).transpose(0, 1).unsqueeze(0)
-        values = v_pool.index_select(0, self.read_index).transpose(0, 1).unsqueeze(0)
-        return keys, values  # [1, kv_heads, S, head_dim]
+        return key_states, value_states  # the new ones; `attend` reads the rest from the pool
+
+    def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float | None) -> torch.Tensor:
+        """query [1, heads, T, d], key/value the new [1, kv_heads, T, d] -> [1, T, heads, d]."""
+        k_pool, v_pool = self.backend._k_pools[layer_idx], self.backend._v_pools[layer_idx]
+        outs = []
+        for it in self.items:
+            q = query[:, :, it.q0:it.q1]
+            if it.read is None:
+                k, v = key[:, :, it.q0:it.q1], value[:, :, it.q0:it.q1]
+            else:  # this sequence's keys only: [S_i, kv_heads, d] -> [1, kv_heads, S_i, d]
+                k = k_pool.index_select(0, it.read).transpose(0, 1).unsqueeze(0)
+                v = v_pool.index_select(0, it.read).transpose(0, 1).unsqueeze(0)
+            outs.append(torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=it.mask, is_causal=it.is_causal, scale=scaling,
+                enable_gqa=q.shape[1] != k.shape[1]))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        return out.transpose(1, 2).contiguous()
+
+
+def _paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The attention function a BatchedBackend's model runs with: per sequence of the batch when
+    called by the backend (`specdec_batch` passed through the model's kwargs), otherwise the
+    implementation the model had before (so the same model object still works elsewhere)."""
+    view = kwargs.pop("specdec_batch", None)
+    if view is None:
+        inner = module.config._specdec_inner_attention
+        fn = ALL_ATTENTION_FUNCTIONS[inner] if inner != "eager" else eager_attention_forward
+        return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    return view.attend(module.layer_idx, query, key, value, scaling), None
 
 
 class BatchedBackend:
@@ -109,6 +152,12 @@ class BatchedBackend:
         ):
             raise ValueError("BatchedBackend supports full-attention models only (no sliding window layers)")
 
+        if impl != _ATTENTION:
+            AttentionInterface.register(_ATTENTION, _paged_attention)
+            # masks for calls from outside a batch: an additive float mask suits sdpa and eager alike
+            AttentionMaskInterface.register(_ATTENTION, eager_mask)
+            config._specdec_inner_attention = impl
+            model.set_attn_implementation(_ATTENTION)
         param = next(model.parameters())
         self.model = model
         self.device = param.device
@@ -124,6 +173,7 @@ class BatchedBackend:
         self._k_pools: dict[int, torch.Tensor] = {}
         self._v_pools: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()  # guards the free list, block tables and pool creation
+        self._no_mask = torch.zeros(1, 1, 1, 1, dtype=self.torch_dtype, device=self.device)
 
     # ------------------------------------------------------------------------------------------
     # CacheBackend
@@ -148,15 +198,19 @@ class BatchedBackend:
             handle.length = 0
             self._trim_blocks(handle)
 
-    def forward(self, handle: PagedSequence, token_ids: list[int], start: int) -> torch.Tensor:
-        return self.forward_batch([(handle, token_ids, start)])[0]
+    def forward(self, handle: PagedSequence, token_ids: list[int], start: int,
+                num_logits: int | None = None) -> torch.Tensor:
+        return self.forward_batch([(handle, token_ids, start)], None if num_logits is None else [num_logits])[0]
 
     # ------------------------------------------------------------------------------------------
     # Batching
 
-    def forward_batch(self, items: list[tuple[PagedSequence, list[int], int]]) -> list[torch.Tensor]:
+    def forward_batch(self, items: list[tuple[PagedSequence, list[int], int]],
+                      num_logits: list[int] | None = None) -> list[torch.Tensor]:
         """Append each item's token_ids to its handle (which holds exactly `start` tokens) and
-        return, per item, the next-token logits of those tokens [len(token_ids), V] (float32).
+        return, per item, the next-token logits of its last `num_logits[i]` tokens (default: all)
+        [num_logits[i], V] (float32): the LM head runs only on those rows, which is most of a long
+        prefill's cost otherwise.
         All items run in one forward pass (unless the batch exceeds max_attention_elements).
         All or nothing: on any error every handle is left as it was."""
         seen: set[int] = set()
@@ -171,8 +225,9 @@ class BatchedBackend:
             self._reserve_blocks(items)
         try:
             results: list[torch.Tensor | None] = [None] * len(items)
+            keep = _num_logits(items, num_logits)
             for group in self._groups(items):
-                for i, logits in zip(group, self._run([items[i] for i in group])):
+                for i, logits in zip(group, self._run([items[i] for i in group], [keep[i] for i in group])):
                     results[i] = logits
             for handle, token_ids, start in items:
                 handle.length = start + len(token_ids)
@@ -222,20 +277,21 @@ class BatchedBackend:
                 handle.blocks.append(self._free_blocks.pop())
 
     def _groups(self, items) -> list[list[int]]:
-        """Consecutive runs of non-empty items whose mask (new tokens x keys) fits the budget."""
+        """Consecutive runs of non-empty items whose attention scores (new tokens x keys, summed
+        over the items) fit the budget."""
         groups: list[list[int]] = []
         current: list[int] = []
-        q_total = k_total = 0
+        total = 0
         for i, (_, token_ids, start) in enumerate(items):
             n = len(token_ids)
             if n == 0:
                 continue
-            q, k = q_total + n, k_total + start + n
-            if current and q * k > self.max_attention_elements:
+            cost = n * (start + n)  # this item's attention scores
+            if current and total + cost > self.max_attention_elements:
                 groups.append(current)
-                current, q, k = [], n, start + n
+                current, total = [], 0
             current.append(i)
-            q_total, k_total = q, k
+            total += cost
         if current:
             groups.append(current)
         return groups
@@ -252,46 +308,51 @@ class BatchedBackend:
         return self._k_pools[layer_idx], self._v_pools[layer_idx]
 
     @torch.inference_mode()
-    def _run(self, items) -> list[torch.Tensor]:
+    def _run(self, items, keep: list[int]) -> list[torch.Tensor]:
         bs = self.block_size
+        dev = self.device
         input_ids: list[int] = []
-        positions, q_seq, write, read, k_seq, k_pos = [], [], [], [], [], []
-        any_past = False
-        for i, (handle, token_ids, start) in enumerate(items):
+        positions, write, batch = [], [], []
+        for handle, token_ids, start in items:
             n = len(token_ids)
             end = start + n
             input_ids.extend(token_ids)
             pos = torch.arange(end)
             slots = torch.tensor(handle.blocks, dtype=torch.long)[pos // bs] * bs + pos % bs
             positions.append(pos[start:])
-            q_seq.append(torch.full((n,), i, dtype=torch.long))
             write.append(slots[start:])
-            read.append(slots)
-            k_seq.append(torch.full((end,), i, dtype=torch.long))
-            k_pos.append(pos)
-            any_past = any_past or start > 0
-
-        dev = self.device
-        q_positions = torch.cat(positions).to(dev)
-        q_seq_t = torch.cat(q_seq).to(dev)
-        k_seq_t = torch.cat(k_seq).to(dev)
-        k_pos_t = torch.cat(k_pos).to(dev)
-        # Block-diagonal causal mask: a query sees the keys of its own sequence up to its position
-        allowed = (q_seq_t[:, None] == k_seq_t[None, :]) & (k_pos_t[None, :] <= q_positions[:, None])
-        mask = torch.zeros(allowed.shape, dtype=self.torch_dtype, device=dev)
-        mask.masked_fill_(~allowed, torch.finfo(self.torch_dtype).min)
-
-        view = _BatchView(
-            self,
-            write_index=torch.cat(write).to(dev),
-            read_index=torch.cat(read).to(dev) if any_past else None,
-        )
+            mask = None
+            if start and n > 1:  # query j (position start + j) sees keys 0..start + j
+                mask = (pos[None, :] <= pos[start:, None]).to(dev)
+            q0 = len(input_ids) - n
+            batch.append(_Item(q0, q0 + n, slots.to(dev) if start else None, mask, is_causal=not start and n > 1))
+        view = _BatchView(self, torch.cat(write).to(dev), batch)
         out = self.model(
             input_ids=torch.tensor([input_ids], dtype=torch.long, device=dev),
-            position_ids=q_positions.unsqueeze(0),
-            attention_mask=mask[None, None],
+            position_ids=torch.cat(positions).to(dev).unsqueeze(0),
+            attention_mask=self._no_mask,  # 4D: transformers passes it through without building one
             cache=view,
             use_cache=True,
+            logits_to_keep=_kept_rows(items, keep).to(dev),
+            specdec_batch=view,
         )
-        logits = out.logits[0].float()  # [T, V]
-        return list(logits.split([len(ids) for _, ids, _ in items]))
+        logits = out.logits[0].float()  # [sum(keep), V]
+        return list(logits.split(keep))
+
+
+def _num_logits(items, num_logits: list[int] | None) -> list[int]:
+    """Per item, how many trailing rows of logits to compute (all of them when not given)."""
+    if num_logits is None:
+        return [len(ids) for _, ids, _ in items]
+    if len(num_logits) != len(items):
+        raise ValueError(f"num_logits has {len(num_logits)} entries for {len(items)} items")
+    return [max(0, min(int(k), len(ids))) for (_, ids, _), k in zip(items, num_logits)]
+
+
+def _kept_rows(items, keep: list[int]) -> torch.Tensor:
+    """Indices, in the flattened batch, of the rows whose logits are kept."""
+    rows, offset = [], 0
+    for (_, ids, _), k in zip(items, keep):
+        offset += len(ids)
+        rows.extend(range(offset - k, offset))
+    return torch.tensor(rows, dtype=torch.long)

@@ -26,8 +26,13 @@ class HFBackend:
         handle.crop(-handle.get_seq_length())
 
     @torch.inference_mode()
-    def forward(self, handle: DynamicCache, token_ids: list[int], start: int) -> torch.Tensor:
+    def forward(self, handle: DynamicCache, token_ids: list[int], start: int,
+                num_logits: int | None = None) -> torch.Tensor:
         assert handle.get_seq_length() == start, (handle.get_seq_length(), start)
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, L]
-        out = self.model(input_ids=input_ids, cache=handle, use_cache=True)
-        return out.logits[0].float()  # [L, V]
+        keep = len(token_ids) if num_logits is None else max(0, min(num_logits, len(token_ids)))
+        if keep == 0:  # logits_to_keep=0 means "all"; compute one row and drop it
+            self.model(input_ids=input_ids, cache=handle, use_cache=True, logits_to_keep=1)
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        out = self.model(input_ids=input_ids, cache=handle, use_cache=True, logits_to_keep=keep)
+        return out.logits[0].float()  # [keep, V]

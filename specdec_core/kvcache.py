@@ -38,9 +38,10 @@ class CacheBackend(Protocol):
     def free(self, handle: Any) -> None:
         """Release the handle's memory."""
 
-    def forward(self, handle: Any, token_ids: list[int], start: int) -> torch.Tensor:
+    def forward(self, handle: Any, token_ids: list[int], start: int, num_logits: int | None = None) -> torch.Tensor:
         """Append token_ids at positions start.. (the cache holds exactly `start` tokens) and
-        return their next-token logits [len(token_ids), V] (float32)."""
+        return the next-token logits of the last `num_logits` of them (default all)
+        [num_logits, V] (float32)."""
 
 
 @dataclass
@@ -99,18 +100,22 @@ class SessionCaches:
                 metrics.CACHE_TOKENS.labels(self.role).set(self.num_tokens)
                 metrics.CACHE_SESSIONS.labels(self.role).set(len(self._sequences))
 
-    def extend(self, seq: CachedSequence, token_ids: list[int]) -> torch.Tensor:
-        """Feed token_ids after the cached ones; their next-token logits [len, V]."""
-        logits = self.backend.forward(seq.handle, token_ids, len(seq.token_ids))
+    def extend(self, seq: CachedSequence, token_ids: list[int], num_logits: int | None = None) -> torch.Tensor:
+        """Feed token_ids after the cached ones; the next-token logits of the last `num_logits`
+        of them (default all) [num_logits, V]."""
+        logits = self.backend.forward(seq.handle, token_ids, len(seq.token_ids), num_logits)
         seq.token_ids.extend(token_ids)
         return logits
 
-    def extend_batch(self, items: list[tuple[CachedSequence, list[int]]]) -> list[torch.Tensor]:
-        """Several sessions' extensions in one model step when the backend can batch."""
+    def extend_batch(self, items: list[tuple[CachedSequence, list[int]]],
+                     num_logits: list[int] | None = None) -> list[torch.Tensor]:
+        """Several sessions' extensions in one model step when the backend can batch; per item the
+        logits of its last `num_logits[i]` tokens (default all)."""
+        keep = num_logits or [None] * len(items)
         forward_batch = getattr(self.backend, "forward_batch", None)
         if forward_batch is None:
-            return [self.extend(seq, ids) for seq, ids in items]
-        logits = forward_batch([(seq.handle, ids, len(seq.token_ids)) for seq, ids in items])
+            return [self.extend(seq, ids, k) for (seq, ids), k in zip(items, keep)]
+        logits = forward_batch([(seq.handle, ids, len(seq.token_ids)) for seq, ids in items], num_logits)
         for seq, ids in items:
             seq.token_ids.extend(ids)
         return logits

@@ -77,13 +77,14 @@ class ReplicatedBackend:
         self._call("free", handle)
         self._handles.pop(handle, None)
 
-    def forward(self, handle: int, token_ids: list[int], start: int) -> torch.Tensor:
-        return self._call("forward", handle, token_ids, start)
+    def forward(self, handle: int, token_ids: list[int], start: int, num_logits: int | None = None) -> torch.Tensor:
+        return self._call("forward", handle, token_ids, start, num_logits)
 
-    def forward_batch(self, items: list[tuple[int, list[int], int]]) -> list[torch.Tensor]:
+    def forward_batch(self, items: list[tuple[int, list[int], int]],
+                      num_logits: list[int] | None = None) -> list[torch.Tensor]:
         with self._lock:
-            self._broadcast(("forward_batch", items))
-            return self.local.forward_batch([(self._handles[h], ids, start) for h, ids, start in items])
+            self._broadcast(("forward_batch", items, num_logits))
+            return self.local.forward_batch([(self._handles[h], ids, start) for h, ids, start in items], num_logits)
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -126,7 +127,7 @@ def follow(local, control: dist.ProcessGroup) -> None:
             handles[args[0]] = local.allocate()
             continue
         if op == "forward_batch":
-            _replay(local.forward_batch, [(handles[h], ids, start) for h, ids, start in args[0]])
+            _replay(local.forward_batch, [(handles[h], ids, start) for h, ids, start in args[0]], args[1])
             continue
         handle = handles.pop(args[0]) if op == "free" else handles[args[0]]
         _replay(getattr(local, op), handle, *args[1:])

@@ -71,8 +71,9 @@ class Verifier:
                 except SpecdecError as exc:
                     results[i] = exc
             prefill = {i: len(tasks[i].committed_ids) - len(seq.token_ids) for i, seq in leased}
-            logits = self.caches.extend_batch(
-                [(seq, tasks[i].committed_ids[len(seq.token_ids):] + tasks[i].draft_ids) for i, seq in leased])
+            logits = self.caches.extend_batch(  # logits only where the rule reads them: the last K+1
+                [(seq, tasks[i].committed_ids[len(seq.token_ids):] + tasks[i].draft_ids) for i, seq in leased],
+                [len(tasks[i].draft_ids) + 1 for i, _ in leased])
             decided = []
             for (i, seq), rows in zip(leased, logits):
                 task = tasks[i]

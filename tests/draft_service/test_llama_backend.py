@@ -154,3 +154,21 @@ def test_forward_batch_feeds_several_sequences_in_shared_decodes(backend):
         backend.free(hb)
     assert_same_logits(torch.cat([first[0], second[0]]), alone_a)
     assert_same_logits(torch.cat([first[1], second[1]]), alone_b)
+
+
+def test_num_logits_returns_only_the_trailing_rows(backend):
+    """Only the tokens flagged for output get logits (a prefill need not copy 49152 floats per
+    prompt token); the rows are those of the full call, across n_batch chunks too."""
+    a, b = backend.tokenize(PROMPT), backend.tokenize(OTHER)
+    alone_a, alone_b = feed_fresh(backend, [a]), feed_fresh(backend, [b])
+    ha, hb = backend.allocate(), backend.allocate()
+    try:
+        outs = backend.forward_batch([(ha, a, 0), (hb, b, 0)], [1, 3])
+        assert backend.num_cached(ha) == len(a) and backend.num_cached(hb) == len(b)
+        none = backend.forward(ha, [a[-1]], len(a), num_logits=0)
+    finally:
+        backend.free(ha)
+        backend.free(hb)
+    assert_same_logits(outs[0], alone_a[-1:])
+    assert_same_logits(outs[1], alone_b[-3:])
+    assert none.shape == (0, backend.vocab_size)

@@ -98,7 +98,7 @@ def test_batch_of_fresh_prefills_and_empty_items(model, hf):
 
 
 def test_split_into_several_passes_gives_the_same_logits(model, hf):
-    bb = BatchedBackend(model, max_attention_elements=64)  # forces one pass per item
+    bb = BatchedBackend(model, max_attention_elements=40)  # forces one pass per item (costs 96, 5, 45)
     seqs = [tokens(n, seed=40 + n) for n in (12, 5, 9)]
     handles = [bb.allocate() for _ in seqs]
     for h, s in zip(handles, seqs):
@@ -225,3 +225,27 @@ def test_other_llama_family_setups(family):
     outs = bb.forward_batch([(first, long[12:], 12), (bb.allocate(), short, 0)])
     assert_same(outs[0], alone(ref, [long[:12], long[12:]])[-1])
     assert_same(outs[1], alone(ref, [short])[0])
+
+
+def test_num_logits_keeps_only_the_trailing_rows(model, hf):
+    """The LM head runs only on the rows asked for: per item the last num_logits[i] rows of what
+    the full call returns (0 rows is allowed: a prefill whose logits nobody reads)."""
+    bb = BatchedBackend(model, block_size=8)
+    seqs = [tokens(n, seed=70 + n) for n in (12, 5, 30)]
+    keep = [3, 0, 1]
+    handles = [bb.allocate() for _ in seqs]
+    outs = bb.forward_batch([(h, s, 0) for h, s in zip(handles, seqs)], keep)
+    for out, seq, k in zip(outs, seqs, keep):
+        full = alone(hf, [seq])[0]
+        assert out.shape == (k, VOCAB)
+        if k:
+            assert_same(out, full[-k:])
+    assert [h.length for h in handles] == [len(s) for s in seqs]  # every token is cached all the same
+    more = tokens(4, seed=99)
+    assert_same(bb.forward(handles[1], more, 5, num_logits=2), alone(hf, [seqs[1], more])[-1][-2:])
+    cache = hf.allocate()
+    assert_same(hf.forward(cache, seqs[2], 0, num_logits=4), alone(hf, [seqs[2]])[0][-4:])
+    assert hf.forward(cache, more, 30, num_logits=0).shape == (0, VOCAB)
+    assert cache.get_seq_length() == 34
+    with pytest.raises(ValueError, match="num_logits"):
+        bb.forward_batch([(bb.allocate(), more, 0)], [1, 1])

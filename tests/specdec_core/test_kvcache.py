@@ -34,10 +34,10 @@ class RecordingBackend:
         self.freed.append(handle)
         del self.lengths[handle]
 
-    def forward(self, handle, token_ids, start):
+    def forward(self, handle, token_ids, start, num_logits=None):
         assert self.lengths[handle] == start
         self.lengths[handle] += len(token_ids)
-        return torch.zeros(len(token_ids), self.vocab_size)
+        return torch.zeros(len(token_ids) if num_logits is None else num_logits, self.vocab_size)
 
 
 def test_common_prefix_len():
