@@ -8,7 +8,7 @@ from pathlib import Path
 
 from measure import config_stats
 
-SPECULATIVE = ("model_k5_overlap", "model_k5_no_overlap", "model_adaptive", "ngram_k8")
+SPECULATIVE = ("model_k5_overlap", "model_k5_no_overlap", "model_adaptive", "ngram_k10")
 HF = ("hf_greedy", "hf_prompt_lookup")
 NOTES = [
     "Greedy; one stack serves every specdec configuration (per-request K / overlap / draft method / adaptive).",
@@ -73,7 +73,7 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
     summary = {
         "model_draft_c1_vs_target": ratio(tps(rows, "main", "chat", "model_k5_no_overlap", 1),
                                           tps(rows, "main", "chat", "target_k0", 1)),
-        "ngram_c1_vs_hf_prompt_lookup": ratio(tps(rows, "main", "grounded", "ngram_k8", 1),
+        "ngram_c1_vs_hf_prompt_lookup": ratio(tps(rows, "main", "grounded", "ngram_k10", 1),
                                               tps(rows, "main", "grounded", "hf_prompt_lookup", 1)),
         "c8_vs_hf_assisted": ratio(best and at_top[best], hf_best and hf[hf_best]),
         "c8_vs_own_c1": ratio(best and at_top[best], best and tps(rows, "main", "grounded", best, 1)),
@@ -96,7 +96,7 @@ def summary_notes(top: int, best: str | None, hf_best: str | None, hf: dict) -> 
     return {
         "model_draft_c1_vs_target": "chat set, c1: model draft K=5 overlap on / target_k0 (K=0, same path), "
                                     "aggregate tokens/s",
-        "ngram_c1_vs_hf_prompt_lookup": "input-grounded set, c1: ngram_k8 / transformers generate with "
+        "ngram_c1_vs_hf_prompt_lookup": "input-grounded set, c1: ngram_k10 / transformers generate with "
                                         "prompt_lookup_num_tokens=10, same prompts",
         "c8_vs_hf_assisted": f"input-grounded set: best speculative config at c{top} ({best}) aggregate tokens/s / "
                              f"what transformers achieves serving the same requests sequentially, the better of "

@@ -44,7 +44,7 @@ SPECDEC = {  # per-request options; "k" is also the K of Leviathan's prediction 
     "model_k5_overlap": {"draft": "model", "k": 5, "overlap": True},
     "model_k5_no_overlap": {"draft": "model", "k": 5, "overlap": False},
     "model_adaptive": {"draft": "model", "k": 8, "adaptive": True, "overlap": False},
-    "ngram_k8": {"draft": "ngram", "k": 8},
+    "ngram_k10": {"draft": "ngram", "k": 10},
 }
 BASELINES = {"hf_greedy": None, "hf_prompt_lookup": GROUNDED_SET, "llama_cpp_prompt_lookup": GROUNDED_SET}
 PINNED = ("model_k5_overlap", "model_k5_no_overlap")

@@ -16,6 +16,13 @@ def test_lookup_continues_the_latest_match_of_the_longest_ngram():
     assert lookup([5, 1, 2, 5], 2, 3, 1) == [1, 2]  # falls back to a 1-gram
 
 
+def test_ngram_proposes_nothing_on_a_one_token_match_by_default():
+    """A 1-gram match is wrong too often to pay for a verify of several tokens (see ngram.py)."""
+    assert NgramProposer().propose("s", [5, 1, 2, 5], 4, SamplingConfig(), 0).token_ids == []
+    assert NgramProposer().propose("s", [5, 1, 2, 7, 5, 1], 4, SamplingConfig(), 0).token_ids == [2, 7, 5, 1]
+    assert NgramProposer(min_ngram=1).propose("s", [5, 1, 2, 5], 4, SamplingConfig(), 0).token_ids == [1, 2, 5]
+
+
 def test_ngram_sends_one_hot_distributions_when_sampling():
     ids = [1, 2, 3, 1, 2]
     greedy = NgramProposer().propose("s", ids, 2, SamplingConfig(), 0)
