@@ -94,7 +94,7 @@ def overhead_per_round(rows: list[dict]) -> float | None:
 def summary_notes(top: int, best: str | None, hf_best: str | None, hf: dict) -> dict:
     hf_values = ", ".join(f"{k} {v:.1f}" for k, v in hf.items() if v)
     return {
-        "model_draft_c1_vs_target": "chat set, c1: model draft K=5 overlap on / target_k0 (K=0, same path), "
+        "model_draft_c1_vs_target": "chat set, c1: model draft K=5 overlap off / target_k0 (K=0, same path), "
                                     "aggregate tokens/s",
         "ngram_c1_vs_hf_prompt_lookup": "input-grounded set, c1: ngram_k10 / transformers generate with "
                                         "prompt_lookup_num_tokens=10, same prompts",

@@ -9,7 +9,9 @@ K = 0 skips the draft: plain target decoding through the same path, the honest b
 
 Overlap: while the target verifies block i, the draft already proposes K + 1 tokens after x + d,
 betting that all of d is accepted and that the bonus token will be the draft's own first guess.
-When the bet wins, the remaining K tokens are the next block, ready before it is needed. Because
+When the bet wins, the remaining K tokens are the next block, ready before it is needed; when the
+verdict shows it lost (a draft token rejected), the bet is cancelled at once, so that the draft
+worker stops on it and the real next proposal does not queue behind it. Because
 every draw is keyed by (seed, position, purpose), that block is exactly what a fresh proposal on
 the same prefix would have returned, so overlap never changes the output, sampled or greedy.
 """
@@ -22,7 +24,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from specdec_core.errors import SpecdecError
+from coordinator.cancel import CancelToken, call_cancel
+from specdec_core.errors import Cancelled, SpecdecError
 from specdec_core.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -91,17 +94,20 @@ class Speculator:
         draft = self._take_prefetched(committed_ids, k)
         if draft is None:
             draft = self._propose(committed_ids, k) if k > 0 and self.proposer is not None else NO_DRAFT
-        pending = None
+        pending = token = None
         if self.executor is not None and draft.token_ids:
-            pending = self.executor.submit(self._propose, committed_ids + draft.token_ids, k + 1)
+            token = CancelToken()
+            pending = self.executor.submit(self._propose_cancellable, token, committed_ids + draft.token_ids, k + 1)
         verify_started = time.perf_counter()
         verdict = self.verifier.verify(self.session_id, committed_ids, draft, self.sampling, self.seed)
         verified = time.perf_counter()
         a = verdict.num_accepted
         new_ids = draft.token_ids[:a] + [verdict.next_token_id]
-        if pending is not None:
+        if pending is not None and a < len(draft.token_ids):
+            token.cancel()  # the bet assumed the whole block; don't wait for it
+        elif pending is not None:
             bet = pending.result()
-            if a == len(draft.token_ids) and len(bet.token_ids) > 1 and bet.token_ids[0] == verdict.next_token_id:
+            if len(bet.token_ids) > 1 and bet.token_ids[0] == verdict.next_token_id:
                 after = committed_ids + new_ids
                 self._prefetched = (len(after), after[-8:], Draft(bet.token_ids[1:], bet.dists[1:]))
         done = time.perf_counter()
@@ -118,9 +124,18 @@ class Speculator:
         try:
             return self.proposer.propose(self.session_id, committed_ids, k, self.sampling, self.seed,
                                          self.min_confidence)
+        except Cancelled:
+            return NO_DRAFT
         except SpecdecError as exc:  # the draft is an optimisation: without it, decode plainly
             log.warning("draft failed, verifying without draft this round: %s", exc)
             return NO_DRAFT
+
+    def _propose_cancellable(self, token: CancelToken, committed_ids: list[int], k: int) -> Draft:
+        reset = call_cancel.set(token)
+        try:
+            return self._propose(committed_ids, k)
+        finally:
+            call_cancel.reset(reset)
 
     def _take_prefetched(self, committed_ids: list[int], k: int) -> Draft | None:
         prefetched, self._prefetched = self._prefetched, None

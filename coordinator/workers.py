@@ -15,9 +15,11 @@ from dataclasses import dataclass
 
 import grpc
 
+from coordinator.cancel import call_cancel
 from coordinator.loop import Draft, Verdict
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec_core.errors import (
+    Cancelled,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
@@ -77,11 +79,22 @@ class WorkerClient:
         budget = self.retry_budget_s if retry_budget_s is None else retry_budget_s
         deadline = time.monotonic() + budget
         delay = 0.05
+        token = call_cancel.get()
         while True:
             try:
-                return method(request, timeout=call_timeout(self.timeout_s))
+                if token is None:
+                    return method(request, timeout=call_timeout(self.timeout_s))
+                if token.is_cancelled:
+                    raise Cancelled(f"{self.role} call cancelled")
+                call = method.future(request, timeout=call_timeout(self.timeout_s))
+                token.watch(call)
+                return call.result()
+            except grpc.FutureCancelledError:
+                raise Cancelled(f"{self.role} call cancelled") from None
             except grpc.RpcError as err:
                 code, details = err.code(), err.details()
+                if code == grpc.StatusCode.CANCELLED and token is not None and token.is_cancelled:
+                    raise Cancelled(f"{self.role} call cancelled") from None
                 if code not in _RETRYABLE:
                     raise _domain_error(self.role, code, details) from err
                 if time.monotonic() + delay > deadline:

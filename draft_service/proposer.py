@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -43,6 +43,9 @@ class ProposeTask:
     sampling: SamplingConfig
     seed: int = 0
     min_confidence: float = 0.0  # stop the block when the draft's confidence falls below this
+    # True once the caller has gone away (e.g. an overlapped draft the coordinator cancelled):
+    # the session then drops out of the lockstep at the next step
+    is_cancelled: Callable[[], bool] = field(default=lambda: False, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ class ModelProposer:
 
     def propose(self, task: ProposeTask, is_cancelled: Callable[[], bool] = lambda: False) -> Proposal:
         self._validate(task)
-        return self.queue.submit(task, task.session_id, is_cancelled)
+        return self.queue.submit(replace(task, is_cancelled=is_cancelled), task.session_id, is_cancelled)
 
     def _propose_batch(self, tasks: list[ProposeTask]) -> list[Proposal | BaseException]:
         started = time.perf_counter()
@@ -95,7 +98,7 @@ class ModelProposer:
             while feeds:
                 logits = self.caches.extend_batch([(d.seq, ids) for d, ids in feeds], [1] * len(feeds))
                 feeds = [(d, [token]) for (d, _), rows in zip(feeds, logits)
-                         if (token := self._step(d, rows[-1])) is not None]
+                         if (token := self._step(d, rows[-1])) is not None and not d.task.is_cancelled()]
         compute_ms = (time.perf_counter() - started) * 1e3
         metrics.FORWARD_SECONDS.labels("draft").observe(compute_ms / 1e3)
         for i, d in drafting.items():
