@@ -99,6 +99,20 @@ def make_plan(a: argparse.Namespace, device: str) -> Plan:
                 pinned=(PINNED_NAME in only or not named) and "chat" in sets, device=device)
 
 
+def target_footprint(model_ref: str = "smollm2") -> dict:
+    """What the memory bound is made of: the target's weights (fp32 safetensors, as the target service
+    loads them) and the KV bytes one token of one session takes in its cache."""
+    from transformers import AutoConfig
+
+    from specdec_core.models import resolve_model
+
+    folder = Path(resolve_model(model_ref))
+    c = AutoConfig.from_pretrained(folder)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return {"weights_mb": sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**20,
+            "kv_bytes_per_token": c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * 4}
+
+
 def detect_device() -> str:
     import torch
 
@@ -222,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     progress(f"plan: {plan}")
     log_dir = Path(tempfile.mkdtemp(prefix="specdec-bench-"))
     meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine_at_start": machine(), "argv": sys.argv[1:],
-            "plan": plan.__dict__, "specdec_configs": SPECDEC, "logs": str(log_dir)}
+            "plan": plan.__dict__, "specdec_configs": SPECDEC, "logs": str(log_dir), "target": target_footprint()}
     rows = bench_main(plan, progress, log_dir)
     if plan.pinned:
         rows += bench_pinned(plan, progress, log_dir)

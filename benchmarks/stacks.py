@@ -63,7 +63,7 @@ def specdec_request(client: Client, index: int, messages: list[dict], options: d
         request.arrive(list(chunk.token_ids))
         last = chunk
     request.finish()
-    request.stats = stats_dict(last.stats)
+    request.stats = {**stats_dict(last.stats), "session_tokens": last.usage.session_tokens}
     client.end_session(last.session_id)
     return request
 
