@@ -14,13 +14,15 @@ verdict shows it lost (a draft token rejected), the bet is cancelled at once, so
 worker stops on it and the real next proposal does not queue behind it. Because
 every draw is keyed by (seed, position, purpose), that block is exactly what a fresh proposal on
 the same prefix would have returned, so overlap never changes the output, sampled or greedy.
+With overlap, a request's first rounds do not wait for the draft to prefill the prompt either: the
+target decodes plainly meanwhile, and the draft's proposal becomes a bet like the others.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -86,14 +88,21 @@ class Speculator:
         self.verifier = verifier
         self.executor = executor  # None: no overlap
         self.min_confidence = min_confidence
-        self._prefetched: tuple[int, list[int], Draft] | None = None  # (length, tail, block) it assumed
+        self._prefetched: _Bet | None = None
+        self._warmup: tuple[Future, int, list[int]] | None = None  # (proposal, prefix length, prefix tail)
+        self._rounds = 0
         self.prefetch_hits = 0
 
     def round(self, committed_ids: list[int], k: int) -> Round:
         started = time.perf_counter()
         draft = self._take_prefetched(committed_ids, k)
-        if draft is None:
-            draft = self._propose(committed_ids, k) if k > 0 and self.proposer is not None else NO_DRAFT
+        if draft is None and k > 0 and self.proposer is not None:
+            draft = self._warm_up(committed_ids, k)
+            if draft is None:
+                draft = self._propose(committed_ids, k)
+        elif draft is None:
+            draft = NO_DRAFT
+        self._rounds += 1
         pending = token = None
         if self.executor is not None and draft.token_ids:
             token = CancelToken()
@@ -107,9 +116,8 @@ class Speculator:
             token.cancel()  # the bet assumed the whole block; don't wait for it
         elif pending is not None:
             bet = pending.result()
-            if len(bet.token_ids) > 1 and bet.token_ids[0] == verdict.next_token_id:
-                after = committed_ids + new_ids
-                self._prefetched = (len(after), after[-8:], Draft(bet.token_ids[1:], bet.dists[1:]))
+            prefix = committed_ids + draft.token_ids
+            self._prefetched = _Bet(len(prefix), prefix[-8:], bet)
         done = time.perf_counter()
         return Round(
             new_ids=new_ids,
@@ -137,12 +145,55 @@ class Speculator:
         finally:
             call_cancel.reset(reset)
 
-    def _take_prefetched(self, committed_ids: list[int], k: int) -> Draft | None:
-        prefetched, self._prefetched = self._prefetched, None
-        if prefetched is None or k == 0:
+    def _warm_up(self, committed_ids: list[int], k: int) -> Draft | None:
+        """With overlap, a request's first round does not wait for the draft: the draft prefills the
+        prompt (proposing K + 1 tokens after it) while the target decodes plainly, and the rounds stay
+        plain until it is done; its proposal is then a bet like any other. Without this, time to
+        first token is draft prefill + target prefill, one after the other, and on long prompts the
+        draft (a quantized model on few cores) can be the slower of the two."""
+        if self.executor is None:
             return None
-        length, tail, draft = prefetched
-        if len(committed_ids) != length or committed_ids[-len(tail):] != tail:
-            return None  # the round was cut short (stop condition); the bet no longer applies
+        if self._rounds == 0:
+            token = CancelToken()
+            self._warmup = (self.executor.submit(self._propose_cancellable, token, committed_ids, k + 1),
+                            len(committed_ids), committed_ids[-8:])
+            return NO_DRAFT
+        if self._warmup is not None and not self._warmup[0].done():
+            return NO_DRAFT
+        return None
+
+    def _take_prefetched(self, committed_ids: list[int], k: int) -> Draft | None:
+        if self._warmup is not None and self._warmup[0].done():
+            future, length, tail = self._warmup
+            self._warmup = None
+            self._prefetched = _Bet(length, tail, future.result())
+        bet, self._prefetched = self._prefetched, None
+        if bet is None or k == 0:
+            return None
+        block = bet.block_after(committed_ids)
+        if block is None:
+            return None
         self.prefetch_hits += 1
-        return Draft(draft.token_ids[:k], draft.dists[:k], draft.compute_ms)
+        return Draft(block.token_ids[:k], block.dists[:k], block.compute_ms)
+
+
+@dataclass(frozen=True)
+class _Bet:
+    """A proposal made ahead of time after a prefix of `length` tokens ending in `tail`."""
+
+    length: int
+    tail: list[int]
+    draft: Draft
+
+    def block_after(self, committed_ids: list[int]) -> Draft | None:
+        """What the bet proposes after committed_ids: its tokens past the committed ones, if every
+        committed token since its prefix is the one it guessed (and the prefix is the same)."""
+        n, tokens = len(committed_ids), self.draft.token_ids
+        if not self.length <= n < self.length + len(tokens):
+            return None
+        if committed_ids[self.length - len(self.tail):self.length] != self.tail:
+            return None
+        if committed_ids[self.length:] != tokens[:n - self.length]:
+            return None
+        used = n - self.length
+        return Draft(tokens[used:], self.draft.dists[used:], self.draft.compute_ms)

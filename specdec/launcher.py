@@ -60,6 +60,16 @@ def wait_serving(address: str, timeout_s: float, process: subprocess.Popen | Non
             time.sleep(0.2)
 
 
+def split_cores() -> dict[str, int]:
+    """Threads for draft and target on one machine: disjoint shares of its cores (the draft a
+    quarter, at least one). Both workers run at once (other sessions' rounds, overlapped drafting);
+    with every worker on every core, their thread teams preempt each other at every barrier, which
+    on 2 cores made concurrent serving ~3x slower than one thread each (benchmarks/README)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    draft = max(1, cores // 4)
+    return {"draft": draft, "target": max(1, cores - draft)}
+
+
 @dataclass
 class Stack:
     """Processes of a local deployment. `args[name]` are extra flags per service."""
@@ -94,15 +104,18 @@ class Stack:
         role = name.split("#")[0]
         port = self.ports.setdefault(name, free_port())
         cmd = [sys.executable, "-m", MODULES[role], "--host", "127.0.0.1", "--port", str(port)]
+        threads = split_cores() if self.use_draft else {}
         if role == "target":
-            cmd += ["--model", self.target_model]
+            cmd += ["--model", self.target_model, "--threads", str(threads.get("target", 0))]
         elif role == "draft":
-            cmd += ["--model", self.draft_model]
+            cmd += ["--model", self.draft_model, "--threads", str(threads["draft"])]
         else:
             draft = self.address("draft") if self.use_draft else ""
             cmd += ["--target", self.address("target"), "--draft", draft, "--redis-url", self.redis_url,
                     "--tokenizer", self.target_model]
-        return cmd + self.args.get(role, [])
+            if self.use_draft:  # draft and target have cores of their own: drafting ahead pays
+                cmd += ["--overlap"]
+        return cmd + self.args.get(role, [])  # explicit flags come last: they win
 
     def start(self, name: str, wait_s: float = 600.0) -> None:
         log = subprocess.DEVNULL

@@ -10,6 +10,8 @@ import logging
 import os
 import sys
 
+import torch
+
 from specdec.v1 import target_pb2, target_pb2_grpc
 from specdec_core.batched_backend import BatchedBackend
 from specdec_core.hf_backend import HFBackend
@@ -33,6 +35,8 @@ def main(argv: list[str] | None = None) -> None:
                     "--standalone", "-m", "target_service", *argv]
         os.execv(sys.executable, torchrun)
     setup_logging(cfg.server.log_level, cfg.server.log_format)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     if tp.world_size() > 1:
         return serve_tensor_parallel(cfg)
     log.info("loading target model %s (%s on %s)", cfg.model, cfg.dtype, cfg.device)

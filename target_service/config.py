@@ -21,6 +21,7 @@ class TargetConfig:
     kv_cache: str = "paged"
     batch_window_ms: float = 1.0
     max_batch: int = 32
+    threads: int = 0
 
     def __post_init__(self):
         if self.max_cache_tokens < 1:
@@ -31,6 +32,8 @@ class TargetConfig:
             raise ValueError(f"kv_cache must be paged or dynamic, got {self.kv_cache!r}")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype}")
 
@@ -56,7 +59,10 @@ class TargetConfig:
         p.add_argument("--batch-window-ms", type=float, default=cls.batch_window_ms,
                        help="after the first request of a batch, wait this long for others")
         p.add_argument("--max-batch", type=int, default=cls.max_batch, help="sessions per batched pass")
+        p.add_argument("--threads", type=int, default=int(env("SPECDEC_TARGET_THREADS", cls.threads)),
+                       help="torch intra-op threads on CPU (0: torch's default, one per core); on a machine "
+                            "shared with the draft worker, give each its own cores")
         ServerOptions.add_flags(p, "SPECDEC_TARGET", port=50052)
         a = p.parse_args(argv)
         return cls(ServerOptions.from_args(a), a.model, a.dtype, a.device, a.max_cache_tokens,
-                   a.tensor_parallel_size, a.dist_timeout, a.kv_cache, a.batch_window_ms, a.max_batch)
+                   a.tensor_parallel_size, a.dist_timeout, a.kv_cache, a.batch_window_ms, a.max_batch, a.threads)

@@ -1,6 +1,6 @@
 """The speculative loop's overlap bookkeeping, against in-process Proposer/Verifier objects (the
-Protocols the gRPC clients implement): a lost bet is cancelled without waiting for it, a won bet
-becomes the next block."""
+Protocols the gRPC clients implement): the first round decodes while the draft warms up, a lost
+bet is cancelled without waiting for it, a won bet becomes the next block."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from coordinator.cancel import call_cancel
-from coordinator.loop import Draft, Speculator, Verdict
+from coordinator.loop import Draft, Speculator, Verdict, _Bet
 from specdec_core.sampling import SamplingConfig
 
 GREEDY = SamplingConfig()
@@ -17,7 +17,7 @@ GREEDY = SamplingConfig()
 
 class ScriptedProposer:
     """Proposes 10, 11, 12, ... after any prefix. An overlapped call (it runs under a CancelToken)
-    blocks until cancelled or released, like a gRPC call to a busy draft worker."""
+    blocks while `release` is clear, until cancelled, like a gRPC call to a busy draft worker."""
 
     def __init__(self):
         self.calls: list[tuple[int, int]] = []  # (prefix length, k)
@@ -36,37 +36,77 @@ class ScriptedProposer:
         return Draft([10 + i for i in range(num_tokens)])
 
 
-class FixedVerifier:
-    def __init__(self, accepted: int, next_token: int):
-        self.accepted, self.next_token = accepted, next_token
+class ScriptedVerifier:
+    """Accepts `accepted` draft tokens (at most), then answers the next of `next_tokens`."""
+
+    def __init__(self, accepted: int, next_tokens: list[int]):
+        self.accepted, self.next_tokens = accepted, list(next_tokens)
 
     def verify(self, session_id, committed_ids, draft, sampling, seed):
-        return Verdict(min(self.accepted, len(draft.token_ids)), self.next_token)
+        return Verdict(min(self.accepted, len(draft.token_ids)), self.next_tokens.pop(0))
+
+
+def wait_warm(spec: Speculator) -> None:
+    deadline = time.monotonic() + 5
+    while spec._warmup is not None and not spec._warmup[0].done():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+
+
+def test_first_rounds_decode_plainly_while_the_draft_warms_up():
+    proposer = ScriptedProposer()
+    with ThreadPoolExecutor(2) as pool:
+        spec = Speculator("s", GREEDY, 0, proposer, ScriptedVerifier(3, [10, 11, 14, 15]), pool)
+        first = spec.round([1, 2, 3], 3)  # the draft is prefilling: nothing to verify yet
+        second = spec.round([1, 2, 3, 10], 3)  # still prefilling
+        proposer.release.set()
+        wait_warm(spec)
+        third = spec.round([1, 2, 3, 10, 11], 3)  # the warm-up's proposal (10..13 after 3 tokens) is the block
+    assert (first.num_drafted, first.new_ids) == (0, [10]) and (second.num_drafted, second.new_ids) == (0, [11])
+    assert proposer.calls[0] == (3, 4)
+    assert third.num_drafted == 2 and third.new_ids == [12, 13, 14]
+    assert spec.prefetch_hits == 1
 
 
 def test_a_lost_bet_is_cancelled_not_awaited():
     proposer = ScriptedProposer()
+    proposer.release.set()
     with ThreadPoolExecutor(2) as pool:
-        spec = Speculator("s", GREEDY, 0, proposer, FixedVerifier(accepted=1, next_token=99), pool)
+        spec = Speculator("s", GREEDY, 0, proposer, ScriptedVerifier(1, [10, 99]), pool)
+        spec.round([1, 2, 3], 3)
+        wait_warm(spec)
+        proposer.release.clear()
         started = time.perf_counter()
-        rnd = spec.round([1, 2, 3], 3)  # the bet (prefix + 3 drafts, K + 1) never returns by itself
+        rnd = spec.round([1, 2, 3, 10], 3)  # block 11, 12, 13; its bet never returns by itself
         assert time.perf_counter() - started < 5
-    assert rnd.new_ids == [10, 99] and rnd.num_accepted == 1
-    assert proposer.calls == [(3, 3), (6, 4)]
+    assert rnd.num_drafted == 3 and rnd.new_ids == [11, 99] and rnd.num_accepted == 1
+    assert proposer.calls == [(3, 4), (7, 4)]
     assert proposer.bets_cancelled == 1
-    assert spec._prefetched is None and spec.prefetch_hits == 0
+    assert spec._prefetched is None
 
 
 def test_a_won_bet_is_the_next_block():
     proposer = ScriptedProposer()
     proposer.release.set()
-    # all 3 drafts accepted and the bonus token is the bet's first token (10): the bet's 11, 12, 13 are next
+    # every draft accepted; the bonus token is each bet's first guess
     with ThreadPoolExecutor(2) as pool:
-        spec = Speculator("s", GREEDY, 0, proposer, FixedVerifier(accepted=3, next_token=10), pool)
-        first = spec.round([1, 2, 3], 3)
-        second = spec.round([1, 2, 3, *first.new_ids], 3)
-    assert first.new_ids == [10, 11, 12, 10]
-    assert spec.prefetch_hits == 1
-    # round 2 drafted nothing itself: its block was round 1's bet; only its own bet was proposed
-    assert proposer.calls == [(3, 3), (6, 4), (10, 4)]
-    assert second.num_drafted == 3 and second.new_ids == [11, 12, 13, 10]
+        spec = Speculator("s", GREEDY, 0, proposer, ScriptedVerifier(3, [10, 10, 10]), pool)
+        spec.round([1, 2, 3], 3)
+        wait_warm(spec)
+        second = spec.round([1, 2, 3, 10], 3)
+        third = spec.round([1, 2, 3, 10, *second.new_ids], 3)
+    assert second.new_ids == [11, 12, 13, 10]
+    assert third.num_drafted == 3 and third.new_ids == [11, 12, 13, 10]
+    assert spec.prefetch_hits == 2
+    # nothing drafted in the foreground: the warm-up, then each round's bet
+    assert proposer.calls == [(3, 4), (7, 4), (11, 4)]
+
+
+def test_a_bet_applies_only_to_the_prefix_it_assumed():
+    bet = _Bet(3, [1, 2, 3], Draft([7, 8, 9]))
+    assert bet.block_after([1, 2, 3]).token_ids == [7, 8, 9]
+    assert bet.block_after([1, 2, 3, 7, 8]).token_ids == [9]
+    assert bet.block_after([1, 2, 3, 7, 8, 9]) is None  # nothing left
+    assert bet.block_after([1, 2, 3, 8]) is None  # a guess was wrong
+    assert bet.block_after([0, 2, 3, 7]) is None  # another prefix
+    assert bet.block_after([1, 2]) is None
