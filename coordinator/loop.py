@@ -14,8 +14,8 @@ verdict shows it lost (a draft token rejected), the bet is cancelled at once, so
 worker stops on it and the real next proposal does not queue behind it. Because
 every draw is keyed by (seed, position, purpose), that block is exactly what a fresh proposal on
 the same prefix would have returned, so overlap never changes the output, sampled or greedy.
-With overlap, a request's first rounds do not wait for the draft to prefill the prompt either: the
-target decodes plainly meanwhile, and the draft's proposal becomes a bet like the others.
+With overlap, a greedy request's first rounds do not wait for the draft to prefill the prompt
+either: the target decodes plainly meanwhile, and the draft's proposal becomes a bet like the others.
 """
 
 from __future__ import annotations
@@ -150,8 +150,12 @@ class Speculator:
         prompt (proposing K + 1 tokens after it) while the target decodes plainly, and the rounds stay
         plain until it is done; its proposal is then a bet like any other. Without this, time to
         first token is draft prefill + target prefill, one after the other, and on long prompts the
-        draft (a quantized model on few cores) can be the slower of the two."""
-        if self.executor is None:
+        draft (a quantized model on few cores) can be the slower of the two.
+
+        Greedy only: which positions a draft covers decides which keyed draws a sampled token
+        uses, so plain rounds whose number depends on timing would make a seed's output depend on
+        timing (still distributed exactly as the target's, but no longer reproducible)."""
+        if self.executor is None or not self.sampling.is_greedy:
             return None
         if self._rounds == 0:
             token = CancelToken()

@@ -68,6 +68,16 @@ def test_first_rounds_decode_plainly_while_the_draft_warms_up():
     assert spec.prefetch_hits == 1
 
 
+def test_sampled_requests_wait_for_the_draft_so_that_seeds_stay_reproducible():
+    proposer = ScriptedProposer()
+    proposer.release.set()
+    sampled = SamplingConfig(temperature=1.0)
+    with ThreadPoolExecutor(2) as pool:
+        spec = Speculator("s", sampled, 0, proposer, ScriptedVerifier(3, [10]), pool)
+        first = spec.round([1, 2, 3], 3)
+    assert first.num_drafted == 3 and spec._warmup is None
+
+
 def test_a_lost_bet_is_cancelled_not_awaited():
     proposer = ScriptedProposer()
     proposer.release.set()
