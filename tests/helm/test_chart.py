@@ -14,8 +14,9 @@ import pytest
 
 import helm_python as helm
 import kubernetes_validate
-from specdec_chart import (CHART, CRD_KINDS, KUBE_VERSIONS, NAMESPACE, RELEASE, SPECDEC, VALUE_SETS, component_of,
-                           env_of, gpu_requested, matches, port_named, server_tls, service_for)
+from specdec_chart import (CHART, CRD_KINDS, KUBE_VERSIONS, NAMESPACE, RELEASE, SPECDEC, VALUE_SETS, Release,
+                           component_of, env_of, flags_of, gpu_requested, matches, port_named, server_tls,
+                           service_for)
 
 pytestmark = pytest.mark.helm
 
@@ -287,3 +288,12 @@ def test_cross_field_checks_fail_rendering(chart):
     values = {"coordinator": {"autoscaling": {"enabled": True, "minReplicas": 4, "maxReplicas": 2}}}
     with pytest.raises(helm.HelmRenderError, match="maxReplicas \\(2\\) must be >= minReplicas \\(4\\)"):
         chart.render(values, name=RELEASE, namespace=NAMESPACE)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_coordinator_overlap_follows_the_values(chart, overlap):
+    """Overlapped drafting is on by default in the chart (the draft has nodes of its own)."""
+    values = {} if overlap else {"coordinator": {"overlap": False}}
+    release = Release(chart.merge_values(values), chart.render(values, name=RELEASE, namespace=NAMESPACE))
+    flags = flags_of(release.container("coordinator")["args"])
+    assert ("overlap" in flags, "no-overlap" in flags) == (overlap, not overlap)
