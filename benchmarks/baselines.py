@@ -87,7 +87,9 @@ class LlamaPromptLookup:
         self.tokenizer = tokenizer
         self.eos = tokenizer.eos_token_id
         threads = os.cpu_count() or 1  # the draft service's default too (Llama's own is half the cores)
-        self.llm = Llama(model_path=str(gguf or embedded_gguf_path()), n_ctx=n_ctx, n_threads=threads,
+        # n_batch = n_ctx: with a draft model llama-cpp-python keeps the logits of every evaluated
+        # token in a scores buffer of n_batch rows, which overflows past n_batch tokens otherwise
+        self.llm = Llama(model_path=str(gguf or embedded_gguf_path()), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
                          n_threads_batch=threads, verbose=False,
                          draft_model=LlamaPromptLookupDecoding(num_pred_tokens=PROMPT_LOOKUP_TOKENS))
 

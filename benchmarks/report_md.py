@@ -22,6 +22,8 @@ def markdown(result: dict) -> str:
         f"Load at the end {_load(meta['machine_at_end'])}. Command: `benchmarks/run.py {' '.join(meta['argv'])}`.",
         "",
         *(QUICK if "--quick" in meta["argv"] else []),
+        *(["**Partial results: the run is still going or stopped early.**", ""]
+          if meta.get("complete") is False else []),
         "## Summary",
         "",
         "| metric | value | basis |",

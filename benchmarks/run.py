@@ -162,6 +162,9 @@ def row(layout: str, prompt_set: str, config: str, concurrency: int, k: int | No
             "requests": requests, "wall_s": wall_s, "memory_mb": memory}
 
 
+failures: list[dict] = []  # baseline requests that raised (recorded in the JSON, not counted)
+
+
 def sequential(layout: str, prompt_set: str, prompts: list[list[dict]], runners: dict[str, Runner],
                max_new: int, progress: Progress) -> list[dict]:
     """Concurrency 1: every prompt through every configuration in turn, the order rotated by one
@@ -173,14 +176,22 @@ def sequential(layout: str, prompt_set: str, prompts: list[list[dict]], runners:
         for name in names[i % len(names):] + names[:i % len(names)]:
             runner = runners[name]
             runner.probe.reset()
-            request = runner.run(i, messages, max_new)
+            try:
+                request = runner.run(i, messages, max_new)
+            except Exception as exc:  # noqa: BLE001 - a reference baseline must not sink the run
+                if name not in BASELINES:
+                    raise
+                progress(f"[{layout} {prompt_set} c1] {name} prompt {i + 1} FAILED ({exc!r}); not counted")
+                failures.append({"layout": layout, "prompt_set": prompt_set, "config": name, "prompt_index": i,
+                                 "error": repr(exc)})
+                continue
             memory[name] = max_memory(memory[name], runner.probe.peak_mb())
             done[name].append(request)
             tokens, wall = sum(len(r.token_ids) for r in done[name]), sum(r.wall_s for r in done[name])
             progress(f"[{layout} {prompt_set} c1] {name} prompt {i + 1}/{len(prompts)}: "
                      f"{len(request.token_ids) / request.wall_s:.1f} tok/s (running {tokens / wall:.1f})")
     return [row(layout, prompt_set, n, 1, runners[n].k, done[n], sum(r.wall_s for r in done[n]), memory[n])
-            for n in names]
+            for n in names if done[n]]
 
 
 def concurrent(prompt_set: str, prompts: list[list[dict]], plan: Plan, stack, progress: Progress) -> list[dict]:
@@ -206,7 +217,7 @@ def concurrent(prompt_set: str, prompts: list[list[dict]], plan: Plan, stack, pr
     return rows
 
 
-def bench_main(plan: Plan, progress: Progress, log_dir: Path) -> list[dict]:
+def bench_main(plan: Plan, progress: Progress, log_dir: Path, save: Callable[[list[dict]], None]) -> list[dict]:
     rows = []
     with running(stacks.main_stack(log_dir / "main", plan.device), progress) as stack, \
             Client(stack.address("coordinator"), timeout_s=stacks.CLIENT_TIMEOUT_S) as client:
@@ -216,6 +227,7 @@ def bench_main(plan: Plan, progress: Progress, log_dir: Path) -> list[dict]:
             prompts = take(prompt_set, plan.prompts)
             rows += sequential("main", prompt_set, prompts, runners, plan.max_new_tokens, progress)
             rows += concurrent(prompt_set, prompts, plan, stack, progress)
+            save(rows)  # a partial report after every prompt set: a late failure loses nothing before it
     return rows
 
 
@@ -237,12 +249,15 @@ def main(argv: list[str] | None = None) -> None:
     log_dir = Path(tempfile.mkdtemp(prefix="specdec-bench-"))
     meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine_at_start": machine(), "argv": sys.argv[1:],
             "plan": plan.__dict__, "specdec_configs": SPECDEC, "logs": str(log_dir), "target": target_footprint()}
-    rows = bench_main(plan, progress, log_dir)
+    def save(rows: list[dict], final: bool = False) -> list[Path]:
+        meta.update(finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"), wall_s=progress.elapsed(),
+                    machine_at_end=machine(), complete=final, baseline_failures=failures)
+        return report.write(report.build(rows, meta), Path(a.out))
+
+    rows = bench_main(plan, progress, log_dir, save)
     if plan.pinned:
         rows += bench_pinned(plan, progress, log_dir)
-    meta.update(finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"), wall_s=progress.elapsed(), machine_at_end=machine())
-    result = report.build(rows, meta)
-    paths = report.write(result, Path(a.out))
+    paths = save(rows, final=True)
     progress("wrote " + ", ".join(str(p) for p in paths))
     print(paths[1].read_text())
 
