@@ -20,6 +20,7 @@ either: the target decodes plainly meanwhile, and the draft's proposal becomes a
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import time
 from concurrent.futures import Executor, Future
@@ -106,7 +107,7 @@ class Speculator:
         pending = token = None
         if self.executor is not None and draft.token_ids:
             token = CancelToken()
-            pending = self.executor.submit(self._propose_cancellable, token, committed_ids + draft.token_ids, k + 1)
+            pending = self._submit(token, committed_ids + draft.token_ids, k + 1)
         verify_started = time.perf_counter()
         verdict = self.verifier.verify(self.session_id, committed_ids, draft, self.sampling, self.seed)
         verified = time.perf_counter()
@@ -138,6 +139,11 @@ class Speculator:
             log.warning("draft failed, verifying without draft this round: %s", exc)
             return NO_DRAFT
 
+    def _submit(self, token: CancelToken, committed_ids: list[int], k: int) -> Future:
+        """An overlapped proposal on the executor, in a copy of this thread's context: the request's
+        deadline and log context (session id) go with it."""
+        return self.executor.submit(contextvars.copy_context().run, self._propose_cancellable, token, committed_ids, k)
+
     def _propose_cancellable(self, token: CancelToken, committed_ids: list[int], k: int) -> Draft:
         reset = call_cancel.set(token)
         try:
@@ -159,7 +165,7 @@ class Speculator:
             return None
         if self._rounds == 0:
             token = CancelToken()
-            self._warmup = (self.executor.submit(self._propose_cancellable, token, committed_ids, k + 1),
+            self._warmup = (self._submit(token, committed_ids, k + 1),
                             len(committed_ids), committed_ids[-8:])
             return NO_DRAFT
         if self._warmup is not None and not self._warmup[0].done():
