@@ -99,11 +99,13 @@ def summarize(rows: list[dict], meta: dict | None = None) -> tuple[dict, dict]:
     best = max((c for c in at_top if at_top[c]), key=at_top.get, default=None)
     hf, hf_chosen = hf_serving(rows, sets)
     memory = memory_check(rows, top, (meta or {}).get("target"))
+
+    def chat_c1_vs_target(config: str) -> float | None:
+        return ratio(tps(rows, "main", "chat", config, 1), tps(rows, "main", "chat", "target_k0", 1))
+
     summary = {
-        "model_draft_c1_vs_target": ratio(tps(rows, "main", "chat", "model_k5_overlap", 1),
-                                          tps(rows, "main", "chat", "target_k0", 1)),
-        "model_draft_no_overlap_c1_vs_target": ratio(tps(rows, "main", "chat", "model_k5_no_overlap", 1),
-                                                     tps(rows, "main", "chat", "target_k0", 1)),
+        "model_draft_c1_vs_target": chat_c1_vs_target("model_k5_overlap"),
+        "model_draft_no_overlap_c1_vs_target": chat_c1_vs_target("model_k5_no_overlap"),
         "ngram_c1_vs_hf_prompt_lookup": ratio(tps(rows, "main", "grounded", "ngram_k10", 1),
                                               tps(rows, "main", "grounded", "hf_prompt_lookup", 1)),
         "c8_vs_hf_assisted": ratio(best and at_top[best], hf),
@@ -111,8 +113,7 @@ def summarize(rows: list[dict], meta: dict | None = None) -> tuple[dict, dict]:
         "overhead_ms_per_round": overhead_per_round(rows),
         "overlap_pinned_vs_no_overlap": ratio(tps(rows, "pinned", "chat", "model_k5_overlap", 1),
                                               tps(rows, "pinned", "chat", "model_k5_no_overlap", 1)),
-        "model_adaptive_c1_vs_target": ratio(tps(rows, "main", "chat", "model_adaptive", 1),
-                                             tps(rows, "main", "chat", "target_k0", 1)),
+        "model_adaptive_c1_vs_target": chat_c1_vs_target("model_adaptive"),
         **memory,
     }
     return summary, summary_notes(top, best, hf_chosen, sets, at_top)

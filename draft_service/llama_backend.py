@@ -22,6 +22,8 @@ import llama_cpp
 import numpy as np
 import torch
 
+from specdec_core.kvcache import logits_per_item
+
 logger = logging.getLogger(__name__)
 
 _GGML_LOG_LEVEL_ERROR = 3
@@ -125,8 +127,7 @@ class LlamaCppBackend:
         """Feed several sequences in shared llama_decode calls (up to n_batch tokens each); per
         item, the logits of its last `num_logits[i]` fed tokens (default all) [num_logits[i], V].
         llama.cpp computes and copies out logits only for the tokens flagged for output."""
-        keep = [len(ids) if num_logits is None else max(0, min(int(k), len(ids)))
-                for (_, ids, _), k in zip(items, num_logits or [None] * len(items))]
+        keep = logits_per_item(items, num_logits)
         outs = [torch.empty((k, self.vocab_size), dtype=torch.float32) for k in keep]
         flat = [(k, i, i >= len(ids) - keep[k]) for k, (_, ids, _) in enumerate(items) for i in range(len(ids))]
         with self._lock:

@@ -48,6 +48,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from specdec_core.errors import ResourceExhausted
+from specdec_core.kvcache import logits_per_item
 
 _ATTENTION = "specdec_paged"
 _SUPPORTED_ATTENTION = ("sdpa", "eager", _ATTENTION)
@@ -229,7 +230,7 @@ class BatchedBackend:
             self._reserve_blocks(items)
         try:
             results: list[torch.Tensor | None] = [None] * len(items)
-            keep = _num_logits(items, num_logits)
+            keep = logits_per_item(items, num_logits)
             for group in self._groups(items):
                 for i, logits in zip(group, self._run([items[i] for i in group], [keep[i] for i in group])):
                     results[i] = logits
@@ -342,15 +343,6 @@ class BatchedBackend:
         )
         logits = out.logits[0].float()  # [sum(keep), V]
         return list(logits.split(keep))
-
-
-def _num_logits(items, num_logits: list[int] | None) -> list[int]:
-    """Per item, how many trailing rows of logits to compute (all of them when not given)."""
-    if num_logits is None:
-        return [len(ids) for _, ids, _ in items]
-    if len(num_logits) != len(items):
-        raise ValueError(f"num_logits has {len(num_logits)} entries for {len(items)} items")
-    return [max(0, min(int(k), len(ids))) for (_, ids, _), k in zip(items, num_logits)]
 
 
 def _kept_rows(items, keep: list[int]) -> torch.Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from specdec_core.kvcache import logits_per_item
+
 
 class HFBackend:
     name = "transformers"
@@ -30,7 +32,7 @@ class HFBackend:
                 num_logits: int | None = None) -> torch.Tensor:
         assert handle.get_seq_length() == start, (handle.get_seq_length(), start)
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, L]
-        keep = len(token_ids) if num_logits is None else max(0, min(num_logits, len(token_ids)))
+        keep = logits_per_item([(handle, token_ids, start)], None if num_logits is None else [num_logits])[0]
         if keep == 0:  # logits_to_keep=0 means "all"; compute one row and drop it
             self.model(input_ids=input_ids, cache=handle, use_cache=True, logits_to_keep=1)
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)

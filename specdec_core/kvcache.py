@@ -44,6 +44,16 @@ class CacheBackend(Protocol):
         [num_logits, V] (float32)."""
 
 
+def logits_per_item(items: list[tuple[Any, list[int], int]], num_logits: list[int] | None) -> list[int]:
+    """For a backend's forward_batch: per item (handle, token_ids, start), how many trailing rows of
+    logits to return, num_logits[i] clamped to [0, len(token_ids)] (all of them when not given)."""
+    if num_logits is None:
+        return [len(ids) for _, ids, _ in items]
+    if len(num_logits) != len(items):
+        raise ValueError(f"num_logits has {len(num_logits)} entries for {len(items)} items")
+    return [max(0, min(int(k), len(ids))) for (_, ids, _), k in zip(items, num_logits)]
+
+
 @dataclass
 class CachedSequence:
     handle: Any
