@@ -21,6 +21,7 @@ from coordinator.workers import ChannelSettings, DraftClient, TargetClient
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
 from specdec_core.errors import FailedPrecondition, Unavailable
+from specdec_core.admission import Lanes
 from specdec_core.logs import setup_logging
 from specdec_core.models import load_tokenizer
 from specdec_core.security import BearerTokenInterceptor, read_tokens
@@ -89,10 +90,25 @@ def main(argv: list[str] | None = None) -> None:
     if draft is not None and draft_info is None:  # serve now; describe the draft once it is up
         threading.Thread(target=lambda: describe.draft.CopyFrom(draft.model_info(float("inf"))), daemon=True).start()
     interceptors = (BearerTokenInterceptor(read_tokens(cfg.auth_tokens_file)),) if cfg.auth_tokens_file else ()
-    server = create_server(cfg.server, interceptors)
+    service = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+    lanes = Lanes(frozenset({f"/{service}/Generate", f"/{service}/GenerateStream"}), work=cfg.max_concurrent_requests)
+    server = create_server(lanes, interceptors)
     workers = [w for w in (draft, target) if w is not None]
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(generation, workers, describe), server)
-    serve(server, cfg.server, [pb.DESCRIPTOR.services_by_name["Generation"].full_name])
+    serve(server, cfg.server, [service], readiness=lambda: _ready(store, target))
+
+
+def _ready(store: SessionStore, target: Routed) -> bool:
+    """Serving needs Redis and a target replica; a busy one is fine, a missing draft is too."""
+    try:
+        store.redis.ping()
+    except redis.RedisError as exc:
+        log.warning("readiness: Redis does not answer: %s", exc)
+        return False
+    if not target.pool.any_serving():
+        log.warning("readiness: no target replica is serving")
+        return False
+    return True
 
 
 if __name__ == "__main__":

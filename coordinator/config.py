@@ -68,7 +68,8 @@ class CoordinatorConfig:
                        help="seconds to wait for the target worker at start-up")
         p.add_argument("--max-concurrent-requests", type=int,
                        default=int(env("SPECDEC_MAX_CONCURRENT_REQUESTS", cls.max_concurrent_requests)),
-                       help="generations served at once; more get RESOURCE_EXHAUSTED")
+                       help="generations served at once (each holds a handler thread); more get "
+                            "RESOURCE_EXHAUSTED at once")
         p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=cls.overlap,
                        help="draft the next block while the target verifies this one (default: off; it pays "
                             "when draft and target have their own cores or machines, and costs when they share)")
@@ -81,7 +82,7 @@ class CoordinatorConfig:
                        help="CA that signed the workers' certificates (enables TLS to the workers)")
         p.add_argument("--worker-tls-server-name", default=env("SPECDEC_WORKER_TLS_SERVER_NAME", ""),
                        help="name to check in the workers' certificates (default: the address' host)")
-        ServerOptions.add_flags(p, "SPECDEC", port=50050, max_workers=32)
+        ServerOptions.add_flags(p, "SPECDEC", port=50050)
         a = p.parse_args(argv)
         return cls(ServerOptions.from_args(a), a.target, a.draft, a.redis_url, a.redis_tls_ca, a.tokenizer,
                    a.num_speculative_tokens, a.max_new_tokens, a.session_ttl, a.target_retry, a.draft_retry,

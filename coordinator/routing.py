@@ -243,6 +243,10 @@ class ReplicaPool:
     def addresses(self) -> list[str]:
         return self.discovery.addresses()
 
+    def any_serving(self, timeout_s: float = 1.0) -> bool:
+        """Whether some replica's health service says SERVING (busy replicas do: health never queues)."""
+        return any(self.client(a).is_serving(timeout_s) for a in self.addresses())
+
     def clients(self) -> list:
         return [self.client(a) for a in self.addresses()]
 

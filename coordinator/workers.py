@@ -3,6 +3,10 @@
 Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED, a worker's cache slot busy) are retried with
 exponential backoff for a bounded time; then the call fails with UNAVAILABLE. A worker that
 restarts in the meantime simply rebuilds its cache from the committed tokens each request carries.
+
+A worker's RESOURCE_EXHAUSTED ("no room for this session right now", "queue full") is not
+"replica down": the target's is retried within the same budget and then answered
+RESOURCE_EXHAUSTED; the draft's is not retried at all (the round goes on without a draft).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.cancel import call_cancel
 from coordinator.loop import Draft, Verdict
@@ -23,6 +28,7 @@ from specdec_core.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
+    NotFound,
     ResourceExhausted,
     SpecdecError,
     Unavailable,
@@ -32,8 +38,7 @@ from specdec_core.wire import sampling_to_proto
 
 log = logging.getLogger(__name__)
 
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION,
-              grpc.StatusCode.RESOURCE_EXHAUSTED}
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION}
 _MESSAGE_LIMIT = 64 * 1024 * 1024
 
 # The deadline (time.monotonic()) of the client request being served, so that worker calls made on
@@ -68,12 +73,22 @@ class ChannelSettings:
 
 class WorkerClient:
     def __init__(self, role: str, address: str, timeout_s: float, retry_budget_s: float,
-                 channel: ChannelSettings = ChannelSettings()):
+                 channel: ChannelSettings = ChannelSettings(), retry_exhausted: bool = True):
         self.role = role
         self.address = address
         self.timeout_s = timeout_s
         self.retry_budget_s = retry_budget_s
+        self.retry_exhausted = retry_exhausted  # retry RESOURCE_EXHAUSTED within the budget
         self.channel = channel.open(address)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    def is_serving(self, timeout_s: float = 1.0) -> bool:
+        """Whether the worker's health service says SERVING within timeout_s."""
+        try:
+            response = self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return response.status == health_pb2.HealthCheckResponse.SERVING
 
     def call(self, method: Callable, request, retry_budget_s: float | None = None):
         budget = self.retry_budget_s if retry_budget_s is None else retry_budget_s
@@ -95,9 +110,13 @@ class WorkerClient:
                 code, details = err.code(), err.details()
                 if code == grpc.StatusCode.CANCELLED and token is not None and token.is_cancelled:
                     raise Cancelled(f"{self.role} call cancelled") from None
-                if code not in _RETRYABLE:
+                exhausted = code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                if code not in _RETRYABLE and not (exhausted and self.retry_exhausted):
                     raise _domain_error(self.role, code, details) from err
                 if time.monotonic() + delay > deadline:
+                    if exhausted:
+                        raise ResourceExhausted(f"{self.role} worker at {self.address} busy after {budget:.1f} s "
+                                                f"of retries: {details}") from err
                     raise Unavailable(
                         f"{self.role} worker at {self.address} unavailable after {budget:.1f} s of retries: "
                         f"{code.name}: {details}"
@@ -117,13 +136,15 @@ def _domain_error(role: str, code: grpc.StatusCode, details: str) -> SpecdecErro
         return ResourceExhausted(f"{role} worker: {details}")
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return FailedPrecondition(f"{role} worker: {details}")
+    if code == grpc.StatusCode.NOT_FOUND:  # the session was ended while this request ran
+        return NotFound(f"{role} worker: {details}")
     return SpecdecError(f"{role} worker failed: {code.name}: {details}")
 
 
 class DraftClient(WorkerClient):
     def __init__(self, address: str, timeout_s: float = 60.0, retry_budget_s: float = 2.0,
                  channel: ChannelSettings = ChannelSettings()):
-        super().__init__("draft", address, timeout_s, retry_budget_s, channel)
+        super().__init__("draft", address, timeout_s, retry_budget_s, channel, retry_exhausted=False)
         self.stub = draft_pb2_grpc.DraftStub(self.channel)
 
     def propose(self, session_id, committed_ids, num_tokens, sampling: SamplingConfig, seed,

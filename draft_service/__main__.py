@@ -9,6 +9,7 @@ from draft_service.config import DraftConfig
 from draft_service.proposer import ModelProposer
 from draft_service.servicer import DraftServicer
 from specdec.v1 import draft_pb2, draft_pb2_grpc
+from specdec_core.admission import Lanes
 from specdec_core.kvcache import SessionCaches
 from specdec_core.logs import setup_logging
 from specdec_core.server import create_server, serve
@@ -31,19 +32,19 @@ def load_backend(cfg: DraftConfig):
     from specdec_core.batched_backend import BatchedBackend
     from specdec_core.models import load_causal_lm
 
-    return BatchedBackend(load_causal_lm(cfg.model, cfg.dtype, cfg.device), max_tokens=cfg.max_cache_tokens + 8192)
+    return BatchedBackend(load_causal_lm(cfg.model, cfg.dtype, cfg.device), max_tokens=cfg.max_cache_tokens)
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = DraftConfig.from_args(argv)
     setup_logging(cfg.server.log_level, cfg.server.log_format)
     backend = load_backend(cfg)
-    max_sessions = cfg.max_sessions if cfg.resolved_backend == "llama.cpp" else None
-    caches = SessionCaches(backend, cfg.max_cache_tokens, max_sessions, role="draft")
-    proposer = ModelProposer(caches, backend.max_context, cfg.sparse_top)
-    server = create_server(cfg.server)
+    caches = SessionCaches(backend, role="draft")
+    proposer = ModelProposer(caches, backend.max_context, cfg.sparse_top, max_queue=cfg.max_queue)
+    service = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
+    server = create_server(Lanes(frozenset({f"/{service}/Propose"}), work=cfg.max_queue))
     draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(proposer, cfg.model), server)
-    serve(server, cfg.server, [draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name])
+    serve(server, cfg.server, [service])
 
 
 if __name__ == "__main__":

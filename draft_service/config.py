@@ -19,9 +19,10 @@ class DraftConfig:
     dtype: str = "float32"
     device: str = "cpu"
     max_cache_tokens: int = 65536
-    max_sessions: int = 8
-    context_tokens: int = 4096
+    max_sessions: int = 16
+    context_tokens: int = 2048
     sparse_top: int = 64
+    max_queue: int = 64
     threads: int = 0
 
     def __post_init__(self):
@@ -29,6 +30,8 @@ class DraftConfig:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.sparse_top < 1:
             raise ValueError("sparse_top must be >= 1")
+        if min(self.max_queue, self.max_sessions, self.context_tokens, self.max_cache_tokens) < 1:
+            raise ValueError("max_queue, max_sessions, context_tokens and max_cache_tokens must be >= 1")
 
     @property
     def resolved_backend(self) -> str:
@@ -56,15 +59,19 @@ class DraftConfig:
         p.add_argument("--device", default=env("SPECDEC_DRAFT_DEVICE", cls.device), help="transformers backend only")
         p.add_argument("--max-cache-tokens", type=int,
                        default=int(env("SPECDEC_DRAFT_MAX_CACHE_TOKENS", cls.max_cache_tokens)),
-                       help="KV-cache budget in tokens over all sessions (LRU eviction beyond it)")
-        p.add_argument("--max-sessions", type=int, default=cls.max_sessions,
-                       help="llama.cpp: sequence slots in the shared context")
-        p.add_argument("--context-tokens", type=int, default=cls.context_tokens,
-                       help="llama.cpp: context length per session")
+                       help="transformers backend: KV-cache size in tokens over all sessions (idle sessions "
+                            "are evicted least recently used first to make room)")
+        p.add_argument("--max-sessions", type=int, default=int(env("SPECDEC_DRAFT_MAX_SESSIONS", cls.max_sessions)),
+                       help="llama.cpp: sequence slots in the shared context (idle sessions are evicted "
+                            "least recently used first to make room)")
+        p.add_argument("--context-tokens", type=int, default=int(env("SPECDEC_DRAFT_CONTEXT_TOKENS", cls.context_tokens)),
+                       help="llama.cpp: context length per session; longer sessions decode without a draft")
         p.add_argument("--sparse-top", type=int, default=cls.sparse_top,
                        help="when sampling, draw from and send the top-N tokens of the draft distribution")
+        p.add_argument("--max-queue", type=int, default=int(env("SPECDEC_DRAFT_MAX_QUEUE", cls.max_queue)),
+                       help="Propose calls admitted at once (queued or running); more get RESOURCE_EXHAUSTED at once")
         p.add_argument("--threads", type=int, default=cls.threads, help="llama.cpp threads (0: all cores)")
         ServerOptions.add_flags(p, "SPECDEC_DRAFT", port=50051)
         a = p.parse_args(argv)
         return cls(ServerOptions.from_args(a), a.model, a.backend, a.dtype, a.device, a.max_cache_tokens,
-                   a.max_sessions, a.context_tokens, a.sparse_top, a.threads)
+                   a.max_sessions, a.context_tokens, a.sparse_top, a.max_queue, a.threads)

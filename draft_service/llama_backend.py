@@ -88,6 +88,14 @@ class LlamaCppBackend:
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self._free_ids = list(range(self.max_sequences - 1, -1, -1))  # pop() hands out 0 first
 
+    @property
+    def capacity(self) -> int:
+        """Room in sequence slots: each holds up to `max_context` tokens whatever its length."""
+        return self.max_sequences
+
+    def units_for(self, length: int) -> int:
+        return 1
+
     def allocate(self) -> int:
         with self._lock:
             if not self._free_ids:

@@ -20,7 +20,7 @@ import torch
 
 from specdec_core import metrics
 from specdec_core.batching import BatchQueue
-from specdec_core.errors import InvalidArgument, SpecdecError
+from specdec_core.errors import InvalidArgument, ResourceExhausted, SpecdecError
 from specdec_core.kvcache import CachedSequence, SessionCaches
 from specdec_core.sampling import (
     Purpose,
@@ -69,16 +69,17 @@ class _Drafting:
 
 class ModelProposer:
     def __init__(self, caches: SessionCaches, max_context: int, sparse_top: int = 64, window_s: float = 0.001,
-                 max_batch: int = 32):
+                 max_batch: int = 32, max_queue: int = 64):
         self.caches = caches
         self.vocab_size = caches.backend.vocab_size
         self.max_context = max_context
         self.sparse_top = sparse_top
-        self.queue = BatchQueue(self._propose_batch, window_s, max_batch, name="propose")
+        self.queue = BatchQueue(self._propose_batch, window_s, max_batch, max_queue, name="propose")
 
-    def propose(self, task: ProposeTask, is_cancelled: Callable[[], bool] = lambda: False) -> Proposal:
+    def propose(self, task: ProposeTask, is_cancelled: Callable[[], bool] = lambda: False,
+                deadline: float | None = None) -> Proposal:
         self._validate(task)
-        return self.queue.submit(replace(task, is_cancelled=is_cancelled), task.session_id, is_cancelled)
+        return self.queue.submit(replace(task, is_cancelled=is_cancelled), task.session_id, is_cancelled, deadline)
 
     def _propose_batch(self, tasks: list[ProposeTask]) -> list[Proposal | BaseException]:
         started = time.perf_counter()
@@ -86,14 +87,18 @@ class ModelProposer:
         with ExitStack() as stack:
             drafting: dict[int, _Drafting] = {}
             for i, task in enumerate(tasks):
+                n = len(task.committed_ids)
+                k = min(task.num_tokens, self.max_context - n) if self.max_context else task.num_tokens
+                if k <= 0:  # past the draft's context: no proposal, the session decodes plainly
+                    results[i] = Proposal([], [], 0, 0.0)
+                    continue
                 try:
                     seq = stack.enter_context(self.caches.lease(task.session_id, task.committed_ids))
                 except SpecdecError as exc:
                     results[i] = exc
                     continue
-                n = len(task.committed_ids)
-                k = min(task.num_tokens, self.max_context - n) if self.max_context else task.num_tokens
                 drafting[i] = _Drafting(task, seq, k, n - len(seq.token_ids))
+            self._admit(drafting, results)
             feeds = [(d, d.task.committed_ids[len(d.seq.token_ids):]) for d in drafting.values()]
             while feeds:
                 logits = self.caches.extend_batch([(d.seq, ids) for d, ids in feeds], [1] * len(feeds))
@@ -104,6 +109,16 @@ class ModelProposer:
         for i, d in drafting.items():
             results[i] = Proposal(d.token_ids, d.dists, d.prefill, compute_ms)
         return results
+
+    def _admit(self, drafting: dict[int, _Drafting], results: list) -> None:
+        """Keep the sessions whose whole block fits in the KV cache (after evicting idle ones): a
+        block grows to n + k - 1 cached tokens. The others are refused alone (the coordinator then
+        verifies them without a draft); their batch runs on."""
+        fits = self.caches.reserve([(d.seq, len(d.task.committed_ids) + d.k - 1) for d in drafting.values()])
+        for i, ok in zip(list(drafting), fits):
+            if not ok:
+                results[i] = ResourceExhausted(f"draft KV cache full: no room for session {drafting[i].task.session_id!r} now")
+                del drafting[i]
 
     def _step(self, d: _Drafting, logits: torch.Tensor) -> int | None:
         """Choose d's next token from logits [V]; the token to feed next, or None when d is done."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 from draft_service.proposer import ModelProposer, ProposeTask
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specdec_core.errors import grpc_errors
+from specdec_core.limits import validate_session_id
+from specdec_core.server import call_deadline
 from specdec_core.wire import model_info_to_proto, sampling_from_proto
 
 
@@ -15,6 +17,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 
     @grpc_errors
     def Propose(self, request, context):
+        validate_session_id(request.session_id)
         proposal = self.proposer.propose(
             ProposeTask(
                 session_id=request.session_id,
@@ -25,6 +28,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                 min_confidence=request.min_confidence,
             ),
             lambda: not context.is_active(),
+            call_deadline(context),
         )
         return draft_pb2.ProposeResponse(
             token_ids=proposal.token_ids,
@@ -35,6 +39,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 
     @grpc_errors
     def ReleaseDraftCache(self, request, context):
+        validate_session_id(request.session_id)
         return draft_pb2.ReleaseDraftCacheResponse(released=self.proposer.caches.release(request.session_id))
 
     @grpc_errors

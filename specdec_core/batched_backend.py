@@ -183,6 +183,14 @@ class BatchedBackend:
     # ------------------------------------------------------------------------------------------
     # CacheBackend
 
+    @property
+    def capacity(self) -> int:
+        """Room in blocks: a session holds whole blocks."""
+        return self.num_blocks
+
+    def units_for(self, length: int) -> int:
+        return -(-length // self.block_size)
+
     def allocate(self) -> PagedSequence:
         return PagedSequence(self)
 
@@ -262,7 +270,7 @@ class BatchedBackend:
 
     def _trim_blocks(self, handle: PagedSequence) -> None:
         """Release the blocks beyond what handle.length needs (caller holds the lock)."""
-        keep = -(-handle.length // self.block_size)
+        keep = self.units_for(handle.length)
         if len(handle.blocks) > keep:
             released = handle.blocks[keep:]
             del handle.blocks[keep:]
@@ -270,7 +278,7 @@ class BatchedBackend:
 
     def _reserve_blocks(self, items) -> None:
         """Give every handle the blocks its new tokens need, or nothing at all (lock held)."""
-        needs = [max(0, -(-(start + len(ids)) // self.block_size) - len(h.blocks)) for h, ids, start in items]
+        needs = [max(0, self.units_for(start + len(ids)) - len(h.blocks)) for h, ids, start in items]
         total = sum(needs)
         if total > len(self._free_blocks):
             raise ResourceExhausted(

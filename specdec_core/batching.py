@@ -3,12 +3,17 @@
 Handler threads `submit` tasks and wait. One engine thread takes everything queued (waiting at
 most `window_s` for more after the first task, up to `max_batch` tasks) and runs them as one batch;
 requests that arrive while a batch runs form the next one, so at concurrency 1 nothing waits and
-at high concurrency batches fill by themselves. A full queue answers RESOURCE_EXHAUSTED at once
-instead of growing latency without bound; a task whose caller has gone away is dropped unrun.
+at high concurrency batches fill by themselves.
+
+Admission: a full queue answers RESOURCE_EXHAUSTED at once instead of growing latency without
+bound, and so does a task whose deadline the work queued ahead of it would miss (the expected wait
+is the number of batches ahead times the recent mean batch time). A task whose caller has gone
+away is dropped unrun. The engine thread survives anything a batch raises.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -19,6 +24,8 @@ from typing import Generic, TypeVar
 
 from specdec_core import metrics
 from specdec_core.errors import Cancelled, ResourceExhausted
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -40,10 +47,19 @@ class BatchQueue(Generic[T, R]):
         self.max_batch = max_batch
         self._queue: queue.Queue[_Pending[T]] = queue.Queue(maxsize=max_queue)
         self._deferred: list[_Pending[T]] = []
+        self._batch_s = 0.0  # moving average of a batch's run time
         self._thread = threading.Thread(target=self._run, daemon=True, name=name)
         self._thread.start()
 
-    def submit(self, task: T, key: str, is_cancelled: Callable[[], bool] = lambda: False) -> R:
+    def submit(self, task: T, key: str, is_cancelled: Callable[[], bool] = lambda: False,
+               deadline: float | None = None) -> R:
+        """Run task in a batch and return its result. `deadline`: time.monotonic() by which the
+        caller needs the answer, or None."""
+        if deadline is not None:
+            wait_s = self.expected_wait_s()
+            if time.monotonic() + wait_s > deadline:
+                raise ResourceExhausted(
+                    f"worker busy: about {wait_s * 1e3:.0f} ms of work is queued, past the request's deadline")
         pending = _Pending(task, key, is_cancelled)
         try:
             self._queue.put_nowait(pending)
@@ -52,25 +68,43 @@ class BatchQueue(Generic[T, R]):
         metrics.QUEUE_DEPTH.set(self._queue.qsize())
         return pending.future.result()
 
+    def expected_wait_s(self) -> float:
+        """Until a task submitted now is done: the batch running, the full batches queued, its own."""
+        return self._batch_s * (2 + (self._queue.qsize() + len(self._deferred)) // self.max_batch)
+
     def _run(self) -> None:
         while True:
-            live = []
-            for pending in self._collect():
-                if pending.is_cancelled():
-                    pending.future.set_exception(Cancelled("the caller went away"))
-                else:
-                    live.append(pending)
-            if not live:
-                continue
+            batch = self._collect()
             try:
-                results = self.process([p.task for p in live])
-            except BaseException as exc:  # noqa: BLE001 - the whole batch failed
-                results = [exc] * len(live)
-            for pending, result in zip(live, results):
-                if isinstance(result, BaseException):
-                    pending.future.set_exception(result)
-                else:
-                    pending.future.set_result(result)
+                self._process([p for p in batch if not self._dropped(p)])
+            except BaseException as exc:  # noqa: BLE001 - never let the engine thread die
+                log.exception("%s: batch failed outside the model step", self._thread.name)
+                for pending in batch:
+                    if not pending.future.done():
+                        pending.future.set_exception(exc)
+
+    @staticmethod
+    def _dropped(pending: _Pending[T]) -> bool:
+        if not pending.is_cancelled():
+            return False
+        pending.future.set_exception(Cancelled("the caller went away"))
+        return True
+
+    def _process(self, live: list[_Pending[T]]) -> None:
+        if not live:
+            return
+        started = time.monotonic()
+        try:
+            results = self.process([p.task for p in live])
+        except BaseException as exc:  # noqa: BLE001 - the whole batch failed
+            results = [exc] * len(live)
+        elapsed = time.monotonic() - started
+        self._batch_s = elapsed if not self._batch_s else 0.8 * self._batch_s + 0.2 * elapsed
+        for pending, result in zip(live, results):
+            if isinstance(result, BaseException):
+                pending.future.set_exception(result)
+            else:
+                pending.future.set_result(result)
 
     def _collect(self) -> list[_Pending[T]]:
         batch, keys = [], set()

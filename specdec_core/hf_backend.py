@@ -1,4 +1,5 @@
-"""A transformers causal LM as a `CacheBackend`: one `DynamicCache` per sequence."""
+"""A transformers causal LM as a `CacheBackend`: one `DynamicCache` per sequence, which grows as it
+is fed; its room is counted in tokens (`max_tokens` over all sequences)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,18 @@ from specdec_core.kvcache import logits_per_item
 class HFBackend:
     name = "transformers"
 
-    def __init__(self, model):
+    def __init__(self, model, max_tokens: int = 65536):
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        self.capacity = int(max_tokens)
         self.model = model
         self.device = next(model.parameters()).device
         self.vocab_size = int(model.config.vocab_size)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
         self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+
+    def units_for(self, length: int) -> int:
+        return length
 
     def allocate(self) -> DynamicCache:
         return DynamicCache(config=self.model.config)

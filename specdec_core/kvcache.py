@@ -2,8 +2,19 @@
 
 A worker never trusts its cache: each request carries the committed sequence, the cache is cut
 back to the longest prefix it shares with it (rolled-back draft tokens and anything a restart or a
-re-route left behind disappear here), and the rest is recomputed. Caches are bounded by a token
-budget; least-recently-used sessions that are not in flight are evicted first.
+re-route left behind disappear here), and the rest is recomputed.
+
+Room: a backend has a fixed `capacity` in its own units (blocks of the paged pool, llama.cpp
+sequence slots, tokens of DynamicCaches) and says how many units a sequence of L tokens holds
+(`units_for`). `SessionCaches` counts what every session really holds and admits work only into
+room that exists: when a new session or a batch needs more, least-recently-used idle sessions are
+evicted (routine: clients rarely end sessions, and an evicted session is rebuilt from the committed
+tokens its next request carries); what still does not fit is refused for that session alone
+(RESOURCE_EXHAUSTED), never for the sessions batched with it.
+
+Release is safe at any time: a session released while its round runs is freed when that round
+ends, and an ended session id is remembered for a while so that a late request for it (an
+overlapped proposal still on the wire) cannot bring its cache back.
 
 A `CacheBackend` owns the actual tensors (a transformers `DynamicCache`, a llama.cpp sequence
 slot, ...); `SessionCaches` does the bookkeeping that is the same for all of them.
@@ -13,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,13 +33,17 @@ from typing import Any, Protocol
 import torch
 
 from specdec_core import metrics
-from specdec_core.errors import FailedPrecondition, ResourceExhausted
+from specdec_core.errors import FailedPrecondition, NotFound, ResourceExhausted
 
 
 class CacheBackend(Protocol):
     """A model whose KV cache can be held per sequence, extended, and cut back."""
 
     vocab_size: int
+    capacity: int  # units of KV memory in all (blocks, sequence slots, tokens)
+
+    def units_for(self, length: int) -> int:
+        """Units a sequence holding `length` tokens occupies (an allocated empty one: units_for(0))."""
 
     def allocate(self) -> Any:
         """A new, empty cache handle."""
@@ -58,8 +74,10 @@ def logits_per_item(items: list[tuple[Any, list[int], int]], num_logits: list[in
 class CachedSequence:
     handle: Any
     token_ids: list[int] = field(default_factory=list)  # tokens whose KV the handle holds
+    units: int = 0  # capacity units the handle holds (backend.units_for(len(token_ids)))
     last_used: float = 0.0
     is_in_use: bool = False
+    is_released: bool = False  # released while in use: freed when its lease ends
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -73,25 +91,36 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 class SessionCaches:
-    def __init__(self, backend: CacheBackend, max_tokens: int, max_sessions: int | None = None, role: str = "worker"):
+    def __init__(self, backend: CacheBackend, role: str = "worker", remember_ended: int = 4096):
         self.backend = backend
         self.role = role
-        self.max_tokens = max_tokens
-        self.max_sessions = max_sessions  # for backends with a fixed number of sequence slots
+        self.capacity = int(backend.capacity)
         self._sequences: dict[str, CachedSequence] = {}
+        self._held = 0  # units held by all sequences
+        self._ended: OrderedDict[str, None] = OrderedDict()  # recently released session ids
+        self._remember_ended = remember_ended
         self._lock = threading.Lock()
+        # computed when scraped, under the lock
+        metrics.CACHE_TOKENS.labels(role).set_function(lambda: self._locked(lambda: self.num_tokens))
+        metrics.CACHE_SESSIONS.labels(role).set_function(lambda: self._locked(lambda: self.num_sessions))
+        metrics.CACHE_FREE_UNITS.labels(role).set_function(lambda: self._locked(lambda: self.num_free_units))
 
     @contextmanager
     def lease(self, session_id: str, committed_ids: list[int]) -> Iterator[CachedSequence]:
         """The session's cache, cut back to what agrees with committed_ids, with at least the last
-        committed token left uncached (its logits are needed to predict what follows)."""
+        committed token left uncached (its logits are needed to predict what follows).
+        RESOURCE_EXHAUSTED if a new session finds no room even after evicting idle ones."""
         with self._lock:
+            if session_id in self._ended:
+                raise NotFound(f"session {session_id!r} was ended")
             seq = self._sequences.get(session_id)
             if seq is None:
-                if self.max_sessions is not None and len(self._sequences) >= self.max_sessions:
-                    self._evict_idle(len(self._sequences) - self.max_sessions + 1)
+                if not self._make_room(self.backend.units_for(0)):
+                    raise ResourceExhausted(f"{self.role} KV cache: no room for a new session, all "
+                                            f"{len(self._sequences)} cached sessions are in use")
                 seq = CachedSequence(handle=self.backend.allocate())
                 self._sequences[session_id] = seq
+                self._account(seq)
             elif seq.is_in_use:
                 raise FailedPrecondition(f"session {session_id!r} is busy on this worker")
             seq.is_in_use = True
@@ -106,42 +135,66 @@ class SessionCaches:
             with self._lock:
                 seq.is_in_use = False
                 seq.last_used = time.monotonic()
-                self._evict_over_budget()
-                metrics.CACHE_TOKENS.labels(self.role).set(self.num_tokens)
-                metrics.CACHE_SESSIONS.labels(self.role).set(len(self._sequences))
+                if seq.is_released:
+                    self._drop(session_id, seq)
+
+    def reserve(self, items: list[tuple[CachedSequence, int]]) -> list[bool]:
+        """Make room for leased sequences to grow to the given lengths, in order, evicting
+        least-recently-used idle sessions as needed; per item whether it fits. Items that do not
+        fit take no room, so the others run; the caller refuses those alone. Room made here
+        stays free until the caller's forward passes (one engine thread per worker)."""
+        admitted, need = [], 0
+        with self._lock:
+            for seq, length in items:
+                extra = max(0, self.backend.units_for(length) - seq.units)
+                fits = self._make_room(need + extra)
+                admitted.append(fits)
+                need += extra if fits else 0
+        return admitted
 
     def extend(self, seq: CachedSequence, token_ids: list[int], num_logits: int | None = None) -> torch.Tensor:
         """Feed token_ids after the cached ones; the next-token logits of the last `num_logits`
         of them (default all) [num_logits, V]."""
-        logits = self.backend.forward(seq.handle, token_ids, len(seq.token_ids), num_logits)
-        seq.token_ids.extend(token_ids)
-        return logits
+        return self.extend_batch([(seq, token_ids)], None if num_logits is None else [num_logits])[0]
 
     def extend_batch(self, items: list[tuple[CachedSequence, list[int]]],
                      num_logits: list[int] | None = None) -> list[torch.Tensor]:
         """Several sessions' extensions in one model step when the backend can batch; per item the
         logits of its last `num_logits[i]` tokens (default all)."""
-        keep = num_logits or [None] * len(items)
         forward_batch = getattr(self.backend, "forward_batch", None)
-        if forward_batch is None:
-            return [self.extend(seq, ids, k) for (seq, ids), k in zip(items, keep)]
-        logits = forward_batch([(seq.handle, ids, len(seq.token_ids)) for seq, ids in items], num_logits)
-        for seq, ids in items:
-            seq.token_ids.extend(ids)
+        if forward_batch is not None:
+            logits = forward_batch([(seq.handle, ids, len(seq.token_ids)) for seq, ids in items], num_logits)
+        else:
+            keep = num_logits or [None] * len(items)
+            logits = [self.backend.forward(seq.handle, ids, len(seq.token_ids), k) for (seq, ids), k in zip(items, keep)]
+        with self._lock:
+            for seq, ids in items:
+                seq.token_ids.extend(ids)
+                self._account(seq)
         return logits
 
     def crop(self, seq: CachedSequence, length: int) -> None:
         if length < len(seq.token_ids):
             self.backend.crop(seq.handle, length)
-            del seq.token_ids[length:]
+            with self._lock:
+                del seq.token_ids[length:]
+                self._account(seq)
 
     def release(self, session_id: str) -> bool:
+        """Forget the session's cache (at the end of its round if one is running) and refuse
+        later requests for it. Whether it had one."""
         with self._lock:
-            seq = self._sequences.pop(session_id, None)
-        if seq is None:
-            return False
-        self.backend.free(seq.handle)
-        return True
+            self._ended[session_id] = None
+            if len(self._ended) > self._remember_ended:
+                self._ended.popitem(last=False)
+            seq = self._sequences.get(session_id)
+            if seq is None:
+                return False
+            if seq.is_in_use:
+                seq.is_released = True
+            else:
+                self._drop(session_id, seq)
+            return True
 
     @property
     def num_tokens(self) -> int:
@@ -151,27 +204,37 @@ class SessionCaches:
     def num_sessions(self) -> int:
         return len(self._sequences)
 
-    def _idle_oldest_first(self) -> list[str]:
-        return [sid for _, sid in sorted((s.last_used, sid) for sid, s in self._sequences.items() if not s.is_in_use)]
+    @property
+    def num_free_units(self) -> int:
+        return self.capacity - self._held
 
-    def _evict(self, session_id: str) -> CachedSequence:
-        seq = self._sequences.pop(session_id)
+    # Internals (the caller holds the lock)
+
+    def _account(self, seq: CachedSequence) -> None:
+        units = self.backend.units_for(len(seq.token_ids))
+        self._held += units - seq.units
+        seq.units = units
+
+    def _drop(self, session_id: str, seq: CachedSequence) -> None:
+        if self._sequences.get(session_id) is seq:
+            del self._sequences[session_id]
         self.backend.free(seq.handle)
-        metrics.CACHE_EVICTIONS.labels(self.role).inc()
-        return seq
+        self._held -= seq.units
+        seq.units = 0
+        seq.token_ids.clear()
 
-    def _evict_idle(self, count: int) -> None:
-        idle = self._idle_oldest_first()
-        if len(idle) < count:
-            raise ResourceExhausted(f"all {len(self._sequences)} cache slots are in use")
-        for sid in idle[:count]:
-            self._evict(sid)
+    def _make_room(self, units: int) -> bool:
+        """Evict idle sessions, least recently used first, until `units` are free."""
+        if self.capacity - self._held >= units:
+            return True
+        idle = sorted((s.last_used, sid) for sid, s in self._sequences.items() if not s.is_in_use)
+        for _, sid in idle:
+            self._drop(sid, self._sequences[sid])
+            metrics.CACHE_EVICTIONS.labels(self.role).inc()
+            if self.capacity - self._held >= units:
+                return True
+        return False
 
-    def _evict_over_budget(self) -> None:
-        total = self.num_tokens
-        if total <= self.max_tokens:
-            return
-        for sid in self._idle_oldest_first():
-            if total <= self.max_tokens:
-                break
-            total -= len(self._evict(sid).token_ids)
+    def _locked(self, fn):
+        with self._lock:
+            return fn()

@@ -27,6 +27,10 @@ FORWARD_SECONDS = Histogram("specdec_forward_seconds", "worker forward-pass late
 QUEUE_DEPTH = Gauge("specdec_worker_queue_depth", "requests waiting for the next batch")
 CACHE_TOKENS = Gauge("specdec_cache_tokens", "tokens held in worker KV caches", ["role"])
 CACHE_SESSIONS = Gauge("specdec_cache_sessions", "sessions with a worker KV cache", ["role"])
+CACHE_FREE_UNITS = Gauge("specdec_cache_free_units", "free KV capacity (paged blocks, llama.cpp slots or tokens)",
+                         ["role"])
+ADMISSION_REFUSED = Counter("specdec_admission_refused_total", "calls refused at once because a lane was full",
+                            ["lane"])
 CACHE_EVICTIONS = Counter("specdec_cache_evictions_total", "sessions evicted from worker KV caches", ["role"])
 
 

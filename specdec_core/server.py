@@ -1,7 +1,13 @@
 """gRPC server bootstrap shared by every service: health, reflection, message limits, TLS, an
-optional plaintext health port (Kubernetes gRPC probes do not speak TLS), metrics, and a graceful
-drain on SIGTERM/SIGINT: health turns NOT_SERVING, new calls are refused, in-flight calls get
-`drain_seconds` to finish."""
+optional plaintext health port (Kubernetes gRPC probes do not speak TLS), metrics, bounded
+concurrency (`admission`), and a graceful drain on SIGTERM/SIGINT: health turns NOT_SERVING, new
+calls are refused, in-flight calls get `drain_seconds` to finish.
+
+Health: the service names and "" say SERVING while the service can do its work, judged every
+`HEALTH_EVERY_S` by a `readiness` check the service supplies (the coordinator: Redis answers and a
+target replica is up), NOT_SERVING when a dependency is gone — never merely because it is busy.
+"liveness" says SERVING for as long as the process serves at all: that is what a liveness probe
+asks, so that a Redis outage makes pods unready, not restarted."""
 
 from __future__ import annotations
 
@@ -10,6 +16,8 @@ import logging
 import os
 import signal
 import threading
+import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -17,12 +25,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specdec_core.admission import AdmissionInterceptor, Lanes
 from specdec_core.metrics import start_metrics_server
 from specdec_core.security import TlsFiles
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+LIVENESS = "liveness"
+HEALTH_EVERY_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -35,7 +46,6 @@ class ServerOptions:
     health_port: int = 0  # 0: health only on the main port
     metrics_port: int = 0  # 0: no metrics endpoint
     drain_seconds: float = 30.0
-    max_workers: int = 16
     log_level: str = "info"
     log_format: str = "text"
 
@@ -48,7 +58,7 @@ class ServerOptions:
             raise ValueError("--tls-cert and --tls-key go together")
 
     @staticmethod
-    def add_flags(p: argparse.ArgumentParser, env_prefix: str, port: int, max_workers: int = 16) -> None:
+    def add_flags(p: argparse.ArgumentParser, env_prefix: str, port: int) -> None:
         env = os.environ.get
         g = p.add_argument_group("server")
         g.add_argument("--host", default=env(f"{env_prefix}_HOST", "127.0.0.1"), help="address to bind")
@@ -63,14 +73,13 @@ class ServerOptions:
                        help="serve Prometheus metrics over HTTP on this port (0: off)")
         g.add_argument("--drain-seconds", type=float, default=30.0,
                        help="on SIGTERM, how long in-flight calls may take to finish")
-        g.add_argument("--max-workers", type=int, default=max_workers, help="gRPC handler threads")
         g.add_argument("--log-level", default=env("SPECDEC_LOG_LEVEL", "info"))
         g.add_argument("--log-format", choices=["text", "json"], default=env("SPECDEC_LOG_FORMAT", "text"))
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> ServerOptions:
         return cls(a.host, a.port, TlsFiles(a.tls_cert, a.tls_key, a.tls_client_ca), a.health_port, a.metrics_port,
-                   a.drain_seconds, a.max_workers, a.log_level, a.log_format)
+                   a.drain_seconds, a.log_level, a.log_format)
 
     @property
     def address(self) -> str:
@@ -102,19 +111,30 @@ class ParseRequestsInterceptor(grpc.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(parsed, None, handler.response_serializer)
 
 
-def create_server(opts: ServerOptions, interceptors: tuple = ()) -> grpc.Server:
+def create_server(lanes: Lanes, interceptors: tuple = ()) -> grpc.Server:
+    """A server with one handler thread for every call its lanes admit, plus health's own.
+    grpc's own limit on calls in progress is a backstop against floods of calls that are refused
+    (each holds a thread for microseconds): beyond it grpc refuses before any thread is used."""
     return grpc.server(
-        futures.ThreadPoolExecutor(max_workers=opts.max_workers),
-        interceptors=(*interceptors, ParseRequestsInterceptor()),
+        futures.ThreadPoolExecutor(max_workers=lanes.threads, thread_name_prefix="grpc"),
+        interceptors=(*interceptors, AdmissionInterceptor(lanes), ParseRequestsInterceptor()),
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
         ],
+        maximum_concurrent_rpcs=4 * lanes.threads,
     )
 
 
-def serve(server: grpc.Server, opts: ServerOptions, service_full_names: list[str]) -> None:
+def call_deadline(context: grpc.ServicerContext) -> float | None:
+    """The caller's deadline as a time.monotonic() value, or None."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+def serve(server: grpc.Server, opts: ServerOptions, service_full_names: list[str],
+          readiness: Callable[[], bool] | None = None) -> None:
     """Add health and reflection, bind, start, and block until SIGTERM/SIGINT, then drain."""
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -128,17 +148,16 @@ def serve(server: grpc.Server, opts: ServerOptions, service_full_names: list[str
         raise SystemExit(f"cannot bind {opts.address}")
     probe_server = None
     if opts.health_port:
-        probe_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        probe_server = create_server(Lanes(frozenset(), work=1, streams=2, control=1))
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, probe_server)
         probe_server.add_insecure_port(f"{opts.host}:{opts.health_port}")
         probe_server.start()
     start_metrics_server(opts.metrics_port, opts.host)
     server.start()
-    for name in ["", *service_full_names]:
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving %s on %s%s", ", ".join(service_full_names), opts.address, " (TLS)" if opts.tls.enabled else "")
-
+    health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     stopping = threading.Event()
+    _report_readiness(health_servicer, ["", *service_full_names], readiness or (lambda: True), stopping)
+    log.info("serving %s on %s%s", ", ".join(service_full_names), opts.address, " (TLS)" if opts.tls.enabled else "")
 
     def on_signal(signum, _frame):
         log.info("signal %d: draining for up to %.0f s", signum, opts.drain_seconds)
@@ -152,3 +171,31 @@ def serve(server: grpc.Server, opts: ServerOptions, service_full_names: list[str
     if probe_server is not None:
         probe_server.stop(0)
     log.info("stopped")
+
+
+def _report_readiness(health_servicer, names: list[str], readiness: Callable[[], bool],
+                      stopping: threading.Event) -> None:
+    """Set names SERVING or NOT_SERVING now and every HEALTH_EVERY_S from readiness(), until stopping."""
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+    def report() -> bool:
+        try:
+            ready = bool(readiness())
+        except Exception:  # noqa: BLE001 - a failing check means not ready
+            log.exception("readiness check failed")
+            ready = False
+        if not stopping.is_set():
+            for name in names:
+                health_servicer.set(name, serving if ready else not_serving)
+        return ready
+
+    def loop() -> None:
+        was_ready = True
+        while not stopping.wait(HEALTH_EVERY_S):
+            ready = report()
+            if ready != was_ready:
+                log.warning("readiness: %s", "SERVING again" if ready else "NOT_SERVING (a dependency is down)")
+            was_ready = ready
+
+    report()
+    threading.Thread(target=loop, daemon=True, name="readiness").start()

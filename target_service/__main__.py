@@ -13,6 +13,7 @@ import sys
 import torch
 
 from specdec.v1 import target_pb2, target_pb2_grpc
+from specdec_core.admission import Lanes
 from specdec_core.batched_backend import BatchedBackend
 from specdec_core.hf_backend import HFBackend
 from specdec_core.kvcache import SessionCaches
@@ -45,10 +46,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def make_backend(cfg: TargetConfig, model):
     if cfg.kv_cache == "paged":
-        # Headroom over the eviction budget: a batch is admitted before least-recently-used
-        # sessions are evicted, and partly filled blocks hold fewer tokens than they could.
-        return BatchedBackend(model, max_tokens=cfg.max_cache_tokens + 16 * 16 * cfg.max_batch)
-    return HFBackend(model)
+        return BatchedBackend(model, max_tokens=cfg.max_cache_tokens)
+    return HFBackend(model, max_tokens=cfg.max_cache_tokens)
 
 
 def serve_tensor_parallel(cfg: TargetConfig) -> None:
@@ -74,11 +73,12 @@ def _die(exc: BaseException) -> None:
 
 
 def run_server(cfg: TargetConfig, backend) -> None:
-    caches = SessionCaches(backend, cfg.max_cache_tokens, role="target")
-    verifier = Verifier(caches, backend.max_context, cfg.batch_window_ms / 1e3, cfg.max_batch)
-    server = create_server(cfg.server)
+    caches = SessionCaches(backend, role="target")
+    verifier = Verifier(caches, backend.max_context, cfg.batch_window_ms / 1e3, cfg.max_batch, cfg.max_queue)
+    service = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
+    server = create_server(Lanes(frozenset({f"/{service}/Verify"}), work=cfg.max_queue))
     target_pb2_grpc.add_TargetServicer_to_server(TargetServicer(verifier, cfg.model, cfg.tensor_parallel_size), server)
-    serve(server, cfg.server, [target_pb2.DESCRIPTOR.services_by_name["Target"].full_name])
+    serve(server, cfg.server, [service])
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ class TargetConfig:
     kv_cache: str = "paged"
     batch_window_ms: float = 1.0
     max_batch: int = 32
+    max_queue: int = 64
     threads: int = 0
 
     def __post_init__(self):
@@ -32,6 +33,8 @@ class TargetConfig:
             raise ValueError(f"kv_cache must be paged or dynamic, got {self.kv_cache!r}")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if self.max_queue < 1:
+            raise ValueError("max_queue must be >= 1")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
@@ -47,7 +50,8 @@ class TargetConfig:
         p.add_argument("--device", default=env("SPECDEC_TARGET_DEVICE", cls.device))
         p.add_argument("--max-cache-tokens", type=int,
                        default=int(env("SPECDEC_TARGET_MAX_CACHE_TOKENS", cls.max_cache_tokens)),
-                       help="KV-cache budget in tokens over all sessions (LRU eviction beyond it)")
+                       help="KV-cache size in tokens over all sessions (the paged pool, or the DynamicCaches' "
+                            "budget); idle sessions are evicted least recently used first to make room")
         p.add_argument("--tensor-parallel-size", "--tp", type=int,
                        default=int(env("SPECDEC_TENSOR_PARALLEL_SIZE", cls.tensor_parallel_size)),
                        help="shard the model over N ranks (started under torchrun automatically)")
@@ -59,10 +63,13 @@ class TargetConfig:
         p.add_argument("--batch-window-ms", type=float, default=cls.batch_window_ms,
                        help="after the first request of a batch, wait this long for others")
         p.add_argument("--max-batch", type=int, default=cls.max_batch, help="sessions per batched pass")
+        p.add_argument("--max-queue", type=int, default=int(env("SPECDEC_TARGET_MAX_QUEUE", cls.max_queue)),
+                       help="Verify calls admitted at once (queued or running); more get RESOURCE_EXHAUSTED at once")
         p.add_argument("--threads", type=int, default=int(env("SPECDEC_TARGET_THREADS", cls.threads)),
                        help="torch intra-op threads on CPU (0: torch's default, one per core); on a machine "
                             "shared with the draft worker, give each its own cores")
         ServerOptions.add_flags(p, "SPECDEC_TARGET", port=50052)
         a = p.parse_args(argv)
         return cls(ServerOptions.from_args(a), a.model, a.dtype, a.device, a.max_cache_tokens,
-                   a.tensor_parallel_size, a.dist_timeout, a.kv_cache, a.batch_window_ms, a.max_batch, a.threads)
+                   a.tensor_parallel_size, a.dist_timeout, a.kv_cache, a.batch_window_ms, a.max_batch, a.max_queue,
+                   a.threads)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from specdec.v1 import target_pb2, target_pb2_grpc
 from specdec_core.errors import grpc_errors
+from specdec_core.limits import validate_session_id
+from specdec_core.server import call_deadline
 from specdec_core.wire import model_info_to_proto, sampling_from_proto
 from target_service.verifier import Verifier, VerifyTask
 
@@ -15,6 +17,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
 
     @grpc_errors
     def Verify(self, request, context):
+        validate_session_id(request.session_id)
         result = self.verifier.verify(
             VerifyTask(
                 session_id=request.session_id,
@@ -25,6 +28,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                 draft_dists=[(list(d.token_ids), list(d.probs)) for d in request.draft_distributions],
             ),
             lambda: not context.is_active(),
+            call_deadline(context),
         )
         return target_pb2.VerifyResponse(
             num_accepted=result.num_accepted,
@@ -36,6 +40,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
 
     @grpc_errors
     def ReleaseTargetCache(self, request, context):
+        validate_session_id(request.session_id)
         return target_pb2.ReleaseTargetCacheResponse(released=self.verifier.caches.release(request.session_id))
 
     @grpc_errors

@@ -55,6 +55,7 @@ class ReplicatedBackend:
         self.on_failure = on_failure
         self.name, self.vocab_size = local.name, local.vocab_size
         self.max_context, self.dtype, self.device = local.max_context, local.dtype, local.device
+        self.capacity, self.units_for = local.capacity, local.units_for  # rank 0's state mirrors every rank's
         self._handles: dict[int, object] = {}
         self._next_handle = 0
         self._lock = threading.Lock()
@@ -83,6 +84,7 @@ class ReplicatedBackend:
     def forward_batch(self, items: list[tuple[int, list[int], int]],
                       num_logits: list[int] | None = None) -> list[torch.Tensor]:
         with self._lock:
+            self._check_handles([h for h, _, _ in items])
             self._broadcast(("forward_batch", items, num_logits))
             return self.local.forward_batch([(self._handles[h], ids, start) for h, ids, start in items], num_logits)
 
@@ -93,8 +95,16 @@ class ReplicatedBackend:
 
     def _call(self, op: str, handle: int, *args):
         with self._lock:
+            self._check_handles([handle])
             self._broadcast((op, handle, *args))
             return getattr(self.local, op)(self._handles[handle], *args)
+
+    def _check_handles(self, handles: list[int]) -> None:
+        """Refuse a call on rank 0 before any rank sees it: followers only replay calls that
+        rank 0 accepted."""
+        unknown = [h for h in handles if h not in self._handles]
+        if unknown:
+            raise ValueError(f"cache handle {unknown[0]} is not allocated")
 
     def _broadcast(self, message: tuple) -> None:
         try:
@@ -123,18 +133,18 @@ def follow(local, control: dist.ProcessGroup) -> None:
             return
         if op == "ping":
             continue
-        if op == "allocate":
-            handles[args[0]] = local.allocate()
-            continue
-        if op == "forward_batch":
-            _replay(local.forward_batch, [(handles[h], ids, start) for h, ids, start in args[0]], args[1])
-            continue
-        handle = handles.pop(args[0]) if op == "free" else handles[args[0]]
-        _replay(getattr(local, op), handle, *args[1:])
+        try:
+            _replay(local, handles, op, args)
+        except Exception:  # noqa: BLE001 - rank 0 met the same error and answered it; stay in step
+            log.exception("rank %d: %s failed", rank(), op)
 
 
-def _replay(fn, *args) -> None:
-    try:
-        fn(*args)
-    except Exception:  # noqa: BLE001 - rank 0 met the same error and answered it; stay in step
-        log.exception("rank %d: %s failed", rank(), fn.__name__)
+def _replay(local, handles: dict[int, object], op: str, args: list) -> None:
+    if op == "allocate":
+        handles[args[0]] = local.allocate()
+    elif op == "forward_batch":
+        local.forward_batch([(handles[h], ids, start) for h, ids, start in args[0]], args[1])
+    elif op == "free":
+        local.free(handles.pop(args[0]))
+    else:
+        getattr(local, op)(handles[args[0]], *args[1:])

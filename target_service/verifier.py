@@ -15,8 +15,8 @@ import torch
 
 from specdec_core import metrics
 from specdec_core.batching import BatchQueue
-from specdec_core.errors import InvalidArgument, SpecdecError
-from specdec_core.kvcache import SessionCaches
+from specdec_core.errors import InvalidArgument, ResourceExhausted, SpecdecError
+from specdec_core.kvcache import CachedSequence, SessionCaches
 from specdec_core.sampling import (
     Purpose,
     SamplingConfig,
@@ -50,15 +50,16 @@ class VerifyResult:
 
 class Verifier:
     def __init__(self, caches: SessionCaches, max_context: int, window_s: float = 0.001, max_batch: int = 32,
-                 max_queue: int = 256):
+                 max_queue: int = 64):
         self.caches = caches
         self.vocab_size = caches.backend.vocab_size
         self.max_context = max_context
         self.queue = BatchQueue(self._verify_batch, window_s, max_batch, max_queue, name="verify")
 
-    def verify(self, task: VerifyTask, is_cancelled: Callable[[], bool] = lambda: False) -> VerifyResult:
+    def verify(self, task: VerifyTask, is_cancelled: Callable[[], bool] = lambda: False,
+               deadline: float | None = None) -> VerifyResult:
         self._validate(task)
-        return self.queue.submit(task, task.session_id, is_cancelled)
+        return self.queue.submit(task, task.session_id, is_cancelled, deadline)
 
     def _verify_batch(self, tasks: list[VerifyTask]) -> list[VerifyResult | BaseException]:
         started = time.perf_counter()
@@ -70,6 +71,9 @@ class Verifier:
                     leased.append((i, stack.enter_context(self.caches.lease(task.session_id, task.committed_ids))))
                 except SpecdecError as exc:
                     results[i] = exc
+            leased = self._admit(tasks, leased, results)
+            if not leased:
+                return results
             prefill = {i: len(tasks[i].committed_ids) - len(seq.token_ids) for i, seq in leased}
             logits = self.caches.extend_batch(  # logits only where the rule reads them: the last K+1
                 [(seq, tasks[i].committed_ids[len(seq.token_ids):] + tasks[i].draft_ids) for i, seq in leased],
@@ -87,6 +91,18 @@ class Verifier:
         for i, num_accepted, next_token in decided:
             results[i] = VerifyResult(num_accepted, next_token, prefill[i], compute_ms, len(leased))
         return results
+
+    def _admit(self, tasks: list[VerifyTask], leased: list[tuple[int, CachedSequence]],
+               results: list) -> list[tuple[int, CachedSequence]]:
+        """The leased sessions whose blocks fit in the KV cache (after evicting idle ones); the
+        others are refused alone, so that one session's admission never fails its batch."""
+        fits = self.caches.reserve([(seq, len(tasks[i].committed_ids) + len(tasks[i].draft_ids)) for i, seq in leased])
+        for (i, _), ok in zip(leased, fits):
+            if not ok:
+                results[i] = ResourceExhausted(
+                    f"target KV cache full: no room for session {tasks[i].session_id!r} now, every cached "
+                    f"session is in use (capacity {self.caches.capacity} units); retry")
+        return [item for item, ok in zip(leased, fits) if ok]
 
     def _decide(self, task: VerifyTask, logits: torch.Tensor, n: int) -> tuple[int, int]:
         draft_ids = torch.tensor(task.draft_ids, dtype=torch.long)  # [K]

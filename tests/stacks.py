@@ -3,7 +3,10 @@ and starting a stack whose logs are printed when it fails to come up."""
 
 from __future__ import annotations
 
+import grpc
+
 from specdec.launcher import Stack
+from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 
 class ReferenceDecoder:
@@ -31,3 +34,26 @@ def start_stack(target: str, draft: str, log_dir, **kwargs) -> Stack:
             print(f"==== {log.name}\n{log.read_text()[-3000:]}")
         raise
     return stack
+
+
+def end_stream(stream) -> None:
+    """Read an ended session's stream to its end: it stops with the session gone (or, if its last
+    round had committed already, normally)."""
+    try:
+        for _ in stream:
+            pass
+    except grpc.RpcError as exc:
+        assert exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND), exc
+
+
+def assert_no_cache_left(stack, session_ids: list[str]) -> None:
+    """Neither worker holds a cache for these sessions (a release finds nothing to release)."""
+    with grpc.insecure_channel(stack.address("target")) as channel:
+        stub = target_pb2_grpc.TargetStub(channel)
+        for session_id in session_ids:
+            assert not stub.ReleaseTargetCache(target_pb2.ReleaseTargetCacheRequest(session_id=session_id)).released
+    if "draft" in stack.processes:
+        with grpc.insecure_channel(stack.address("draft")) as channel:
+            stub = draft_pb2_grpc.DraftStub(channel)
+            for session_id in session_ids:
+                assert not stub.ReleaseDraftCache(draft_pb2.ReleaseDraftCacheRequest(session_id=session_id)).released

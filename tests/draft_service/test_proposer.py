@@ -21,7 +21,7 @@ VOCAB = 512
 def proposer():
     torch.manual_seed(3)
     model = LlamaForCausalLM(tiny_config(VOCAB)).eval()
-    return ModelProposer(SessionCaches(BatchedBackend(model), max_tokens=8192), max_context=1024)
+    return ModelProposer(SessionCaches(BatchedBackend(model, max_tokens=8192)), max_context=1024)
 
 
 def cancelled_after(checks: int):

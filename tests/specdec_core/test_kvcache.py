@@ -1,12 +1,12 @@
-"""KV-cache bookkeeping: prefix rollback, the token budget with LRU eviction (never a session in
-flight), slot limits, and busy sessions."""
+"""KV-cache bookkeeping: prefix rollback, room counted in the backend's units with LRU eviction
+(never a session in flight), refusal of only what does not fit, safe release, busy sessions."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specdec_core.errors import FailedPrecondition, ResourceExhausted
+from specdec_core.errors import FailedPrecondition, NotFound, ResourceExhausted
 from specdec_core.kvcache import SessionCaches, common_prefix_len
 
 
@@ -16,10 +16,16 @@ class RecordingBackend:
 
     vocab_size = 16
 
-    def __init__(self):
+    def __init__(self, capacity: int = 1000, block: int = 1, slot: int = 0):
+        self.capacity = capacity
+        self.block = block  # units_for(L) = ceil(L / block) + slot (0: tokens take no room)
+        self.slot = slot
         self.lengths: dict[int, int] = {}
         self.freed: list[int] = []
         self._next = 0
+
+    def units_for(self, length):
+        return (-(-length // self.block) if self.block else 0) + self.slot
 
     def allocate(self):
         self._next += 1
@@ -48,7 +54,7 @@ def test_common_prefix_len():
 
 def test_lease_rolls_back_to_the_committed_prefix_and_keeps_the_last_token_uncached():
     backend = RecordingBackend()
-    caches = SessionCaches(backend, max_tokens=1000)
+    caches = SessionCaches(backend)
     with caches.lease("s", [1, 2, 3]) as seq:
         caches.extend(seq, [1, 2, 3, 9, 9])  # committed + two drafts
     with caches.lease("s", [1, 2, 3, 9, 5]) as seq:  # one draft accepted, one rejected
@@ -58,35 +64,61 @@ def test_lease_rolls_back_to_the_committed_prefix_and_keeps_the_last_token_uncac
         assert seq.token_ids == [1, 2, 3]
 
 
-def test_budget_evicts_least_recently_used_idle_sessions_only():
-    backend = RecordingBackend()
-    caches = SessionCaches(backend, max_tokens=10)
-    for name in ("a", "b"):
-        with caches.lease(name, [1, 2, 3, 4]) as seq:
-            caches.extend(seq, [1, 2, 3, 4])
-    with caches.lease("c", [5, 6, 7, 8]) as seq:
-        caches.extend(seq, [5, 6, 7, 8])
-        with caches.lease("d", [1, 2]) as other:  # c is in flight while d finishes
-            caches.extend(other, [1, 2])
-        assert caches.num_tokens <= 10 and "c" in caches._sequences
-    assert "a" not in caches._sequences  # the oldest idle one went first
-    assert caches.num_tokens <= 10
+def _fill(caches, name, ids):
+    with caches.lease(name, ids) as seq:
+        assert caches.reserve([(seq, len(ids))]) == [True]
+        caches.extend(seq, ids)
 
 
-def test_slot_limit_evicts_idle_and_refuses_when_all_are_busy():
-    caches = SessionCaches(RecordingBackend(), max_tokens=1000, max_sessions=2)
+def test_room_is_counted_in_whole_blocks_and_made_by_evicting_the_least_recently_used_idle_session():
+    caches = SessionCaches(RecordingBackend(capacity=4, block=4), role="t")  # 4 blocks of 4 tokens
+    _fill(caches, "a", [1, 2, 3, 4, 5])  # 5 tokens hold 2 blocks
+    _fill(caches, "b", [1])  # 1 block
+    assert caches.num_free_units == 1
+    with caches.lease("c", [7, 7, 7, 7, 7, 7]) as seq:  # needs 2 blocks: a (oldest) goes
+        assert caches.reserve([(seq, 6)]) == [True]
+        caches.extend(seq, [7] * 6)
+    assert set(caches._sequences) == {"b", "c"}
+    assert caches.num_free_units == 1
+
+
+def test_a_batch_admits_what_fits_and_refuses_only_the_rest():
+    caches = SessionCaches(RecordingBackend(capacity=4, block=4))
+    _fill(caches, "idle", [1, 2, 3, 4])
+    with caches.lease("a", [1]) as a, caches.lease("b", [1]) as b, caches.lease("c", [1]) as c:
+        caches.extend(a, [1, 2, 3])  # a holds 1 block and is in the batch
+        fits = caches.reserve([(a, 8), (b, 12), (c, 4)])  # +1, +3 (too many), +1 blocks
+        assert fits == [True, False, True]
+        assert "idle" not in caches._sequences  # evicted for the batch
+        assert a.token_ids == [1, 2, 3]  # a co-batched session is never cropped for another's room
+
+
+def test_slot_backend_evicts_idle_and_refuses_only_the_new_session_when_every_slot_is_busy():
+    caches = SessionCaches(RecordingBackend(capacity=2, block=0, slot=1))  # one unit per session
     with caches.lease("a", [1]):
         pass
     with caches.lease("b", [1]):
         with caches.lease("c", [1]):  # evicts a (idle)
             assert set(caches._sequences) == {"b", "c"}
-            with pytest.raises(ResourceExhausted):
+            with pytest.raises(ResourceExhausted, match="no room"):
                 with caches.lease("d", [1]):
                     pass
+            assert set(caches._sequences) == {"b", "c"}
+
+
+@pytest.mark.capacity
+def test_sessions_that_are_never_ended_cycle_through_a_small_cache_forever():
+    backend = RecordingBackend(capacity=8, block=4)
+    caches = SessionCaches(backend)
+    for i in range(500):  # ~200x what the cache holds at once
+        _fill(caches, f"s{i}", [i % 16] * (1 + i % 9))
+        assert 0 <= caches.num_free_units <= 8
+    assert caches.num_sessions <= 8
+    assert len(backend.lengths) == caches.num_sessions  # every evicted handle was freed
 
 
 def test_a_session_in_flight_is_busy():
-    caches = SessionCaches(RecordingBackend(), max_tokens=1000)
+    caches = SessionCaches(RecordingBackend())
     with caches.lease("a", [1]):
         with pytest.raises(FailedPrecondition, match="busy"):
             with caches.lease("a", [1]):
@@ -95,7 +127,7 @@ def test_a_session_in_flight_is_busy():
 
 def test_a_failed_forward_empties_the_cache():
     backend = RecordingBackend()
-    caches = SessionCaches(backend, max_tokens=1000)
+    caches = SessionCaches(backend)
     with pytest.raises(RuntimeError):
         with caches.lease("a", [1, 2, 3]) as seq:
             caches.extend(seq, [1, 2])
@@ -104,10 +136,28 @@ def test_a_failed_forward_empties_the_cache():
         assert seq.token_ids == []
 
 
-def test_release_frees():
+def test_release_frees_and_refuses_the_ended_session_afterwards():
     backend = RecordingBackend()
-    caches = SessionCaches(backend, max_tokens=1000)
+    caches = SessionCaches(backend)
     with caches.lease("a", [1, 2]) as seq:
         caches.extend(seq, [1])
     assert caches.release("a") and not caches.release("a")
     assert backend.freed == [1]
+    with pytest.raises(NotFound):  # a late request (an overlapped proposal) cannot bring it back
+        with caches.lease("a", [1, 2]):
+            pass
+    assert caches.num_sessions == 0
+
+
+@pytest.mark.capacity
+def test_release_during_a_round_frees_when_the_round_ends():
+    backend = RecordingBackend(capacity=10)
+    caches = SessionCaches(backend)
+    with caches.lease("a", [1, 2, 3]) as seq, caches.lease("b", [4, 5]) as other:
+        caches.extend(seq, [1, 2, 3])
+        assert caches.release("a")
+        assert backend.freed == []  # not under the running forward pass
+        caches.extend(seq, [9])  # the round goes on
+        caches.extend(other, [4, 5])
+    assert backend.freed == [seq.handle]
+    assert set(caches._sequences) == {"b"} and caches.num_free_units == 10 - 2

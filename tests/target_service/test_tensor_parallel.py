@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from stacks import start_stack
+from stacks import assert_no_cache_left, end_stream, start_stack
 from specdec import Client
 
 pytestmark = [pytest.mark.tp, pytest.mark.e2e]
@@ -36,6 +36,24 @@ def test_tp2_greedy_identical_to_tp1(tp_stack, hf_greedy):
         first = client.generate(PROMPTS[0], max_new_tokens=8, k=4)  # caches roll back on every rank
         second = client.generate([42], max_new_tokens=8, k=4, session_id=first.session_id)
         assert second.token_ids == hf_greedy(PROMPTS[0] + first.token_ids + [42], 8)
+
+
+@pytest.mark.capacity
+def test_end_session_during_rounds_keeps_every_rank_alive_and_frees_caches(tp_stack, hf_greedy):
+    torchrun = tp_stack.processes["target"]
+    ranks = _children(torchrun.pid)
+    ended = []
+    with Client(tp_stack.address("coordinator"), timeout_s=120) as client:
+        for i in range(4):
+            stream = client.stream(PROMPTS[i % 2], max_new_tokens=300, k=4)
+            ended.append(next(stream).session_id)  # its rounds are running
+            client.end_session(ended[-1])
+            end_stream(stream)
+        assert client.generate(PROMPTS[0], max_new_tokens=32, k=4).token_ids == hf_greedy(PROMPTS[0], 32)
+    assert_no_cache_left(tp_stack, ended + ["never-seen"])  # rank 0 refuses what it does not hold
+    assert torchrun.poll() is None and all(os.path.exists(f"/proc/{r}") for r in ranks)
+    with Client(tp_stack.address("coordinator"), timeout_s=120) as client:  # and every rank still works
+        assert client.generate(PROMPTS[1], max_new_tokens=16, k=4).token_ids == hf_greedy(PROMPTS[1], 16)
 
 
 def _children(pid: int) -> list[int]:

@@ -162,6 +162,9 @@ readinessProbe:
 livenessProbe:
   grpc:
     port: {{ .port }}
+    # "liveness" is SERVING while the process serves at all; "" (readiness) turns NOT_SERVING
+    # when a dependency is gone, which should take the pod out of rotation, not restart it.
+    service: liveness
   {{- toYaml .probes.liveness | nindent 2 }}
 {{- end }}
 

@@ -1,0 +1,17 @@
+"""Input limits that the coordinator and the workers share."""
+
+from __future__ import annotations
+
+import re
+
+from specdec_core.errors import InvalidArgument
+
+MAX_SESSION_ID_CHARS = 128
+_SESSION_ID = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_SESSION_ID_CHARS}}}")  # the store makes uuid4 hex ids
+
+
+def validate_session_id(session_id: str) -> None:
+    """INVALID_ARGUMENT naming `session_id` unless it is 1..128 characters of [A-Za-z0-9_-]."""
+    if not _SESSION_ID.fullmatch(session_id):
+        raise InvalidArgument(
+            "session_id", f"must be 1 to {MAX_SESSION_ID_CHARS} characters of A-Z, a-z, 0-9, '_' or '-'")

@@ -1,0 +1,73 @@
+"""BatchQueue admission: a full queue and an unmeetable deadline are refused at once, and the
+engine thread outlives a batch that raises."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from specdec_core.batching import BatchQueue
+from specdec_core.errors import ResourceExhausted
+
+pytestmark = pytest.mark.capacity
+
+
+def test_a_deadline_the_queue_cannot_meet_is_refused_before_queueing():
+    release = threading.Event()
+
+    def process(tasks):
+        release.wait(10)
+        return tasks
+
+    q = BatchQueue(process, window_s=0.0, max_batch=1, max_queue=8)
+    release.set()
+    assert q.submit("warm", "a") == "warm"  # one batch measured
+    q._batch_s = 0.5  # as if batches took half a second (the measured average is not under test)
+    release.clear()
+    busy = threading.Thread(target=q.submit, args=("busy", "b"))
+    busy.start()
+    started = time.monotonic()
+    with pytest.raises(ResourceExhausted, match="deadline"):
+        q.submit("late", "c", deadline=time.monotonic() + 0.2)
+    assert time.monotonic() - started < 0.2  # refused without waiting
+    assert q._queue.qsize() <= 1  # "late" never entered the queue (only "busy" may wait there)
+    release.set()
+    busy.join(10)
+    assert q.submit("in time", "d", deadline=time.monotonic() + 60) == "in time"
+
+
+def test_a_full_queue_refuses_at_once():
+    release = threading.Event()
+    q = BatchQueue(lambda tasks: (release.wait(10), tasks)[1], window_s=0.0, max_batch=1, max_queue=2)
+    threads = [threading.Thread(target=q.submit, args=(i, str(i))) for i in range(3)]  # 1 running + 2 queued
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while q._queue.qsize() < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(ResourceExhausted, match="2 requests queued"):
+        q.submit("one too many", "x")
+    release.set()
+    for t in threads:
+        t.join(10)
+
+
+def test_the_engine_thread_survives_a_failing_batch():
+    calls = []
+
+    def process(tasks):
+        calls.append(tasks)
+        if tasks == ["boom"]:
+            raise RuntimeError("model step failed")
+        return tasks
+
+    q = BatchQueue(process, window_s=0.0, max_batch=1)
+    with pytest.raises(RuntimeError):
+        q.submit("boom", "a")
+    q._dropped = None  # a failure outside the model step (here: while dropping cancelled tasks)
+    with pytest.raises(TypeError):
+        q.submit("x", "b")
+    del q._dropped
+    assert q.submit("fine", "c") == "fine"
