@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,8 +18,10 @@ from coordinator.adaptive import AdaptiveK
 from coordinator.loop import Proposer, Speculator, Verifier
 from coordinator.sessions import Session, SessionStats, SessionStore
 from coordinator.text import OutputText, TextCodec
+from coordinator.workers import request_deadline
 from specdec_core import metrics
 from specdec_core.errors import Cancelled, InvalidArgument, ResourceExhausted
+from specdec_core.limits import validate_session_id
 from specdec_core.logs import log_context
 from specdec_core.sampling import SamplingConfig, validate_sampling
 
@@ -28,6 +29,13 @@ log = logging.getLogger(__name__)
 
 MAX_K = 32
 ROLES = ("system", "user", "assistant")
+# Input limits, each checked before what it bounds is read any further, so that an oversized
+# request is refused at no cost. Text is bounded per token of the model's context: text longer than
+# CHARS_PER_TOKEN characters for every token of the context could not fit in it.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+CHARS_PER_TOKEN = 32
 
 
 class Method(enum.Enum):
@@ -92,7 +100,7 @@ class Limits:
     max_context: int
     default_max_new_tokens: int
     default_k: int
-    max_concurrent_requests: int = 64
+    max_concurrent_requests: int = 64  # sizes the overlapped-drafting pool (one bet per request)
     overlap: bool = False
 
 
@@ -101,7 +109,7 @@ class Generation:
                  verifier: Verifier, limits: Limits, routes: dict[str, dict[str, str]] | None = None):
         self.store = store
         self.routes = routes if routes is not None else {}  # sessions in flight -> their replicas
-        self._slots = threading.BoundedSemaphore(limits.max_concurrent_requests)
+        self._first_chunk_s = 0.0  # moving average of the time to a request's first chunk
         self._prefetch = ThreadPoolExecutor(max_workers=limits.max_concurrent_requests, thread_name_prefix="prefetch")
         self.codec = codec
         self.proposer = proposer
@@ -110,20 +118,26 @@ class Generation:
         self.limits = limits
 
     def run(self, req: GenerationRequest, is_cancelled: Callable[[], bool] = lambda: False) -> Iterator[Chunk]:
+        """The request's chunks. How many run at once is bounded by the server's admission lane
+        (--max-concurrent-requests); a request whose deadline is nearer than the recent time to a
+        first chunk is refused at once instead of failing late."""
         self._validate(req)
-        if not self._slots.acquire(blocking=False):
-            raise ResourceExhausted(
-                f"overloaded: {self.limits.max_concurrent_requests} generations in flight; retry with backoff")
-        try:
-            session = self.store.load(req.session_id) if req.session_id else self.store.new(req.seed)
-            with self.store.held(session.session_id), log_context(session_id=session.session_id):
-                self.routes[session.session_id] = session.routes  # routed workers update it in place
-                try:
-                    yield from self._run(req, session, is_cancelled)
-                finally:
-                    self.routes.pop(session.session_id, None)
-        finally:
-            self._slots.release()
+        deadline = request_deadline.get()
+        if deadline is not None and time.monotonic() + self._first_chunk_s > deadline:
+            raise ResourceExhausted(f"busy: a first chunk takes about {self._first_chunk_s * 1e3:.0f} ms now, "
+                                    f"past the request's deadline; retry later or with a longer deadline")
+        started = time.monotonic()
+        session = self.store.load(req.session_id) if req.session_id else self.store.new(req.seed)
+        with self.store.held(session.session_id), log_context(session_id=session.session_id):
+            self.routes[session.session_id] = session.routes  # routed workers update it in place
+            try:
+                for i, chunk in enumerate(self._run(req, session, is_cancelled)):
+                    if i == 0:
+                        elapsed = time.monotonic() - started
+                        self._first_chunk_s = 0.8 * self._first_chunk_s + 0.2 * elapsed if self._first_chunk_s else elapsed
+                    yield chunk
+            finally:
+                self.routes.pop(session.session_id, None)
 
     def _run(self, req: GenerationRequest, session: Session, is_cancelled: Callable[[], bool]) -> Iterator[Chunk]:
         started = time.perf_counter()
@@ -222,26 +236,43 @@ class Generation:
         return self.codec.encode_chat(session.token_ids, session.messages, req.messages)
 
     def _validate(self, req: GenerationRequest) -> None:
+        max_tokens = self.limits.max_context
+        max_chars = max_tokens * CHARS_PER_TOKEN
+        per_context = f"{CHARS_PER_TOKEN} per token of the {max_tokens}-token context"
         given = [x for x in (req.prompt, req.messages, req.token_ids) if x is not None]
         if not given:
             raise InvalidArgument("input", "one of prompt, messages or token_ids is required")
-        if req.prompt is not None and not req.prompt:
-            raise InvalidArgument("prompt", "must not be empty")
+        if req.prompt is not None:
+            if not req.prompt:
+                raise InvalidArgument("prompt", "must not be empty")
+            if len(req.prompt) > max_chars:
+                raise InvalidArgument("prompt", f"{len(req.prompt)} characters; at most {max_chars} ({per_context})")
         if req.messages is not None:
             if not req.messages:
                 raise InvalidArgument("messages", "must not be empty")
+            if len(req.messages) > max_tokens:
+                raise InvalidArgument("messages", f"{len(req.messages)} messages; at most {max_tokens}, "
+                                                  "the model's context in tokens")
             if not self.codec.has_chat_template:
                 raise InvalidArgument("messages", f"the tokenizer {self.codec.name} has no chat template")
             for i, m in enumerate(req.messages):
                 if m["role"] not in ROLES:
                     raise InvalidArgument(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}")
+            size = sum(len(m["content"]) for m in req.messages)
+            if size > max_chars:
+                raise InvalidArgument("messages", f"{size} characters of content; at most {max_chars} ({per_context})")
         if req.token_ids is not None:
             if not req.token_ids:
                 raise InvalidArgument("token_ids", "must not be empty")
-            self._check_ids("token_ids", req.token_ids)
-        self._check_ids("stop_token_ids", req.stop_token_ids)
-        if any(not s for s in req.stop):
-            raise InvalidArgument("stop", "stop strings must not be empty")
+            self._check_ids("token_ids", req.token_ids, max_tokens)
+        self._check_ids("stop_token_ids", req.stop_token_ids, MAX_STOP_TOKEN_IDS)
+        if len(req.stop) > MAX_STOP_STRINGS:
+            raise InvalidArgument("stop", f"{len(req.stop)} stop strings; at most {MAX_STOP_STRINGS}")
+        for i, s in enumerate(req.stop):
+            if not s:
+                raise InvalidArgument("stop", "stop strings must not be empty")
+            if len(s) > MAX_STOP_CHARS:
+                raise InvalidArgument("stop", f"stop string {i} has {len(s)} characters; at most {MAX_STOP_CHARS}")
         validate_sampling(req.sampling)
         if req.max_new_tokens is not None and req.max_new_tokens < 1:
             raise InvalidArgument("max_new_tokens", f"must be >= 1, got {req.max_new_tokens}")
@@ -250,10 +281,12 @@ class Generation:
             raise InvalidArgument("speculation.min_draft_confidence", f"must be in [0, 1), got {req.min_draft_confidence}")
         if k is not None and not 0 <= k <= MAX_K:
             raise InvalidArgument("speculation.num_speculative_tokens", f"must be in 0..{MAX_K}, got {k}")
-        if len(req.session_id) > 128:
-            raise InvalidArgument("session_id", "must be at most 128 characters")
+        if req.session_id:  # empty: a new session
+            validate_session_id(req.session_id)
 
-    def _check_ids(self, name: str, ids: list[int]) -> None:
+    def _check_ids(self, name: str, ids: list[int], max_count: int) -> None:
+        if len(ids) > max_count:
+            raise InvalidArgument(name, f"{len(ids)} ids; at most {max_count}")
         bad = [t for t in ids if not 0 <= t < self.limits.vocab_size]
         if bad:
             raise InvalidArgument(name, f"token id {bad[0]} outside the vocabulary [0, {self.limits.vocab_size})")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from coordinator.cancel import CancelToken, call_cancel
-from specdec_core.errors import Cancelled, SpecdecError
+from specdec_core.errors import Cancelled, NotFound, ResourceExhausted, SpecdecError
 from specdec_core.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -134,6 +134,9 @@ class Speculator:
             return self.proposer.propose(self.session_id, committed_ids, k, self.sampling, self.seed,
                                          self.min_confidence)
         except Cancelled:
+            return NO_DRAFT
+        except (ResourceExhausted, NotFound) as exc:  # no room for this session now, or it was ended
+            log.debug("no draft this round: %s", exc)
             return NO_DRAFT
         except SpecdecError as exc:  # the draft is an optimisation: without it, decode plainly
             log.warning("draft failed, verifying without draft this round: %s", exc)

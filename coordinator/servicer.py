@@ -11,6 +11,7 @@ from coordinator.workers import request_deadline
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
 from specdec_core.errors import SpecdecError, grpc_errors
+from specdec_core.limits import validate_session_id
 from specdec_core.sampling import SamplingConfig
 from specdec_core.wire import sampling_from_proto, sampling_to_proto
 
@@ -103,6 +104,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     @grpc_errors
     def GetSession(self, request, context):
+        validate_session_id(request.session_id)
         s = self.generation.store.load(request.session_id)
         sampling = s.sampling or {}
         return pb.GetSessionResponse(
@@ -114,6 +116,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     @grpc_errors
     def EndSession(self, request, context):
+        validate_session_id(request.session_id)
         self.generation.store.load(request.session_id)  # NOT_FOUND for an unknown session
         for worker in self.workers:
             try:

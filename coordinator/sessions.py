@@ -8,12 +8,15 @@ Every commit is one Lua script: compare the version the writer read, append the 
 bump the version, rewrite meta. Two writers racing on one session cannot both win, and a reader
 never sees tokens without the version that covers them. A short lease
 (`specdec:session:{id}:lease`) marks a session busy while a request runs on it; a heartbeat keeps
-it alive, so a coordinator that crashes leaves its sessions locked for seconds only.
+it alive, so a coordinator that crashes leaves its sessions locked for seconds only. The lease
+holds a random token, and only its holder can renew or release it (each a compare-and-act
+script): a coordinator that stalled past its lease cannot extend or drop the one another now holds.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import threading
 import uuid
@@ -43,6 +46,13 @@ _RELEASE_LEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+
+_RENEW_LEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,12 +86,13 @@ class Session:
 
 
 class SessionStore:
-    def __init__(self, client: redis.Redis, ttl_seconds: int = 86400, lease_seconds: int = 10):
+    def __init__(self, client: redis.Redis, ttl_seconds: int = 86400, lease_seconds: float = 10):
         self.redis = client
         self.ttl_seconds = ttl_seconds
         self.lease_seconds = lease_seconds
         self._commit = client.register_script(_COMMIT)
         self._release = client.register_script(_RELEASE_LEASE)
+        self._renew = client.register_script(_RENEW_LEASE)
 
     @staticmethod
     def _keys(session_id: str) -> tuple[str, str, str]:
@@ -129,14 +140,19 @@ class SessionStore:
         """Mark the session busy; FAILED_PRECONDITION if another request holds it."""
         token = secrets.token_hex(8)
         with self._errors():
-            ok = self.redis.set(self._keys(session_id)[2], token, nx=True, ex=self.lease_seconds)
+            ok = self.redis.set(self._keys(session_id)[2], token, nx=True, px=self._lease_ms)
         if not ok:
             raise FailedPrecondition(f"session {session_id!r} is busy with another request")
         return token
 
-    def renew(self, session_id: str) -> None:
+    def renew(self, session_id: str, token: str) -> bool:
+        """Extend the lease if `token` still holds it; False if it was lost (expired, perhaps taken)."""
         with self._errors():
-            self.redis.expire(self._keys(session_id)[2], self.lease_seconds)
+            return bool(self._renew(keys=[self._keys(session_id)[2]], args=[token, self._lease_ms]))
+
+    @property
+    def _lease_ms(self) -> int:
+        return max(1, int(self.lease_seconds * 1000))
 
     @contextmanager
     def held(self, session_id: str) -> Iterator[None]:
@@ -148,7 +164,11 @@ class SessionStore:
         def heartbeat() -> None:
             while not stop.wait(self.lease_seconds / 3):
                 try:
-                    self.renew(session_id)
+                    if not self.renew(session_id, token):
+                        if not stop.is_set():  # not merely released as the body ended
+                            log.warning("lease on session %s lost (expired, another request may hold it); "
+                                        "no longer renewing it", session_id)
+                        return
                 except Unavailable:
                     pass  # Redis is down; the request fails on its next commit
 

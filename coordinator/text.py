@@ -37,32 +37,56 @@ class OutputText:
 
     Text that could still turn into a stop string, or that ends in an incomplete character, is
     held back until the next tokens decide it.
+
+    A round costs O(new tokens + the longest stop string), however long the output already is.
+    New tokens are decoded after a short window of the tokens before them, whose own text is then
+    cut off (the prefix/read offsets of TGI's and vLLM's incremental detokenization): the window
+    gives the tokenizer the context it needs (a leading space, say). A stop string is looked for
+    only where it can newly appear: one that ended in earlier text was found then, so it ends in
+    text that is new or still unreleased, and starts at most its own length before that.
     """
 
     def __init__(self, codec: TextCodec, stop: list[str]):
         self.codec = codec
         self.stop = stop
+        self.max_stop = max(map(len, stop), default=0)
         self.ids: list[int] = []
-        self.text = ""
+        self.text = ""  # all of it so far; may end in an incomplete character
         self.emitted = 0
+        # ids[:_read] decode to text[:_settled], which ends in a whole character; ids[_prefix:_read]
+        # is the window, and _head its text.
+        self._prefix = 0
+        self._read = 0
+        self._settled = 0
+        self._head = ""
 
     def add(self, new_ids: list[int]) -> tuple[str, int | None]:
         """Append new_ids. Returns (text now final, None) or, when a stop string appeared,
         (the final text up to it, how many of new_ids to keep: through the token completing it)."""
-        text = self.codec.decode(self.ids + new_ids)
-        hit = self._find_stop(text)
+        start = max(0, min(self.emitted, self._settled) - self.max_stop)
+        before = self.text[start:self._settled]
+        tail = self._decode_unsettled(new_ids)
+        window = before + tail  # text[start:] once new_ids are in
+        hit = self._find_stop(window)
         if hit is not None:
             keep = next(j for j in range(1, len(new_ids) + 1)
-                        if self._find_stop(self.codec.decode(self.ids + new_ids[:j])) is not None)
+                        if self._find_stop(before + self._decode_unsettled(new_ids[:j])) is not None)
             self.ids += new_ids[:keep]
-            self.text = text[:hit]
+            self.text = self.text[:start] + window[:hit]
             return self._release(len(self.text)), keep
         self.ids += new_ids
-        self.text = text
-        return self._release(len(text) - self._holdback(text)), None
+        self.text = self.text[:self._settled] + tail
+        if tail and not tail.endswith("\ufffd"):  # ends in a whole character: the window moves on
+            self._prefix, self._read, self._settled = self._read, len(self.ids), len(self.text)
+            self._head = self.codec.decode(self.ids[self._prefix:self._read])
+        return self._release(len(self.text) - self._holdback(window)), None
 
     def flush(self) -> str:
         return self._release(len(self.text))
+
+    def _decode_unsettled(self, new_ids: list[int]) -> str:
+        """The text of ids[_read:] + new_ids, decoded after the window."""
+        return self.codec.decode(self.ids[self._prefix:] + new_ids)[len(self._head):]
 
     def _release(self, upto: int) -> str:
         upto = max(upto, self.emitted)
@@ -71,8 +95,7 @@ class OutputText:
         return delta
 
     def _find_stop(self, text: str) -> int | None:
-        start = max(0, self.emitted - max((len(s) for s in self.stop), default=0))
-        hits = [i for s in self.stop if (i := text.find(s, start)) >= 0]
+        hits = [i for s in self.stop if (i := text.find(s)) >= 0]
         return min(hits) if hits else None
 
     def _holdback(self, text: str) -> int:

@@ -29,9 +29,13 @@ def load_backend(cfg: DraftConfig):
             raise SystemExit("--backend llama.cpp needs a .gguf model (or 'smollm2')")
         return LlamaCppBackend(str(path), n_ctx=cfg.context_tokens, max_sequences=cfg.max_sessions,
                                n_threads=cfg.threads or None)
+    import torch
+
     from specdec_core.batched_backend import BatchedBackend
     from specdec_core.models import load_causal_lm
 
+    if cfg.threads:  # the cores `specdec up` gives the draft, as for llama.cpp
+        torch.set_num_threads(cfg.threads)
     return BatchedBackend(load_causal_lm(cfg.model, cfg.dtype, cfg.device), max_tokens=cfg.max_cache_tokens)
 
 

@@ -70,7 +70,7 @@ class DraftConfig:
                        help="when sampling, draw from and send the top-N tokens of the draft distribution")
         p.add_argument("--max-queue", type=int, default=int(env("SPECDEC_DRAFT_MAX_QUEUE", cls.max_queue)),
                        help="Propose calls admitted at once (queued or running); more get RESOURCE_EXHAUSTED at once")
-        p.add_argument("--threads", type=int, default=cls.threads, help="llama.cpp threads (0: all cores)")
+        p.add_argument("--threads", type=int, default=cls.threads, help="compute threads, llama.cpp or torch (0: all cores)")
         ServerOptions.add_flags(p, "SPECDEC_DRAFT", port=50051)
         a = p.parse_args(argv)
         return cls(ServerOptions.from_args(a), a.model, a.backend, a.dtype, a.device, a.max_cache_tokens,

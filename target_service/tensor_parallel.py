@@ -14,8 +14,11 @@ while idle so that their receive never outlives the group timeout by accident.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
+import sys
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -31,6 +34,13 @@ def world_size() -> int:
 
 def rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGTERM this rank when torchrun dies, however it dies (Linux): a rank
+    must not outlive the service it belongs to."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def init(device: str, timeout_s: float) -> tuple[str, dist.ProcessGroup]:

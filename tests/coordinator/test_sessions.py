@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 
 import pytest
 
@@ -71,6 +73,69 @@ def test_busy_lease(store):
         store.acquire(s.session_id)
     store.release(s.session_id, lease)
     store.release(s.session_id, store.acquire(s.session_id))
+
+
+def _lease_key(session_id: str) -> str:
+    return f"specdec:session:{session_id}:lease"
+
+
+@pytest.mark.capacity
+def test_the_holder_renews_its_lease(store):
+    s = store.new(seed=1)
+    token = store.acquire(s.session_id)
+    store.redis.pexpire(_lease_key(s.session_id), 500)  # most of the lease has run out
+    assert store.renew(s.session_id, token)
+    assert store.redis.pttl(_lease_key(s.session_id)) > 5_000
+    assert not store.renew(s.session_id, "not-the-holder")
+    store.release(s.session_id, token)
+    assert not store.renew(s.session_id, token)  # released: nothing to renew, nothing recreated
+    assert not store.redis.exists(_lease_key(s.session_id))
+
+
+@pytest.mark.capacity
+def test_a_lost_lease_is_neither_renewed_nor_released_by_its_old_holder(store):
+    s = store.new(seed=1)
+    stalled = store.acquire(s.session_id)
+    store.redis.delete(_lease_key(s.session_id))  # its lease expired while it stalled ...
+    current = store.acquire(s.session_id)  # ... and another request took the session
+    store.redis.pexpire(_lease_key(s.session_id), 3_000)
+    assert not store.renew(s.session_id, stalled)
+    assert store.redis.pttl(_lease_key(s.session_id)) <= 3_000  # not extended
+    store.release(s.session_id, stalled)
+    assert store.redis.get(_lease_key(s.session_id)).decode() == current  # not dropped
+    with pytest.raises(FailedPrecondition, match="busy"):
+        store.acquire(s.session_id)
+    assert store.renew(s.session_id, current)
+    store.release(s.session_id, current)
+
+
+@pytest.mark.capacity
+def test_the_heartbeat_keeps_a_held_lease_alive(store):
+    short = SessionStore(store.redis, lease_seconds=0.6)
+    s = short.new(seed=1)
+    with short.held(s.session_id):
+        time.sleep(2.0)  # over three leases: only the heartbeat keeps it
+        with pytest.raises(FailedPrecondition, match="busy"):
+            short.acquire(s.session_id)
+    assert not store.redis.exists(_lease_key(s.session_id))
+
+
+@pytest.mark.capacity
+def test_the_heartbeat_stops_once_the_lease_is_lost(store, caplog):
+    short = SessionStore(store.redis, lease_seconds=0.3)
+    s = short.new(seed=1)
+    with caplog.at_level(logging.WARNING, logger="coordinator.sessions"):
+        with short.held(s.session_id):
+            store.redis.set(_lease_key(s.session_id), "another-holder", px=60_000)  # taken over
+            deadline = time.monotonic() + 10
+            while not caplog.records and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)  # several more heartbeat periods: no further renewal attempts, no more warnings
+    assert [r.getMessage() for r in caplog.records] == [
+        f"lease on session {s.session_id} lost (expired, another request may hold it); no longer renewing it"]
+    assert store.redis.get(_lease_key(s.session_id)) == b"another-holder"  # the old holder did not release it
+    assert store.redis.pttl(_lease_key(s.session_id)) > 50_000
+    store.redis.delete(_lease_key(s.session_id))
 
 
 def test_long_inputs_are_committed_in_chunks(store):

@@ -137,6 +137,12 @@ def test_three_times_the_handler_threads_at_once(stack):
     assert max(refused) < HEALTH_BOUND_S  # refused at once, not after queueing
     assert not health_errors and len(health_latencies) > 5
     assert max(health_latencies) < HEALTH_BOUND_S
+    refused_ms = sorted(s * 1e3 for code, s in outcomes if code == "RESOURCE_EXHAUSTED")
+    health_ms = sorted(s * 1e3 for s in health_latencies)
+    print(f"\n{clients} clients: {clients - len(refused_ms)} admitted, {len(refused_ms)} refused "
+          f"(refusal p50 {refused_ms[len(refused_ms) // 2]:.1f} ms, max {refused_ms[-1]:.1f} ms); "
+          f"health checks {len(health_ms)}, p50 {health_ms[len(health_ms) // 2]:.1f} ms, "
+          f"p99 {health_ms[int(0.99 * (len(health_ms) - 1))]:.1f} ms, max {health_ms[-1]:.1f} ms")
 
 
 def test_open_watch_streams_cannot_starve_health_or_requests(stack):

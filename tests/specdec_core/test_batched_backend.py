@@ -3,6 +3,7 @@ new tokens run through one forward pass and get the logits each would get alone 
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -249,3 +250,40 @@ def test_num_logits_keeps_only_the_trailing_rows(model, hf):
     assert cache.get_seq_length() == 34
     with pytest.raises(ValueError, match="num_logits"):
         bb.forward_batch([(bb.allocate(), more, 0)], [1, 1])
+
+
+@pytest.mark.capacity
+def test_session_caches_count_exactly_the_blocks_the_pool_hands_out(model):
+    """Random rounds of many never-ended sessions through SessionCaches over a small paged pool:
+    after every step the room SessionCaches counts is the pool's own free-block count, so
+    admission can never promise blocks the pool does not have (which once wedged the workers)."""
+    import random
+
+    from specdec_core.kvcache import SessionCaches
+
+    bb = BatchedBackend(model, max_tokens=128, block_size=16)  # 8 blocks
+    caches = SessionCaches(bb, role="pool-test")
+    rng = random.Random(0)
+    committed: dict[str, list[int]] = {}
+    live = [f"s{i}" for i in range(300)]
+    for step in range(300):
+        names = rng.sample(live[:40], rng.randint(1, 3))
+        with contextlib.ExitStack() as stack:
+            leased = []
+            for name in names:
+                ids = committed.setdefault(name, tokens(rng.randint(2, 30), seed=step))
+                leased.append((name, stack.enter_context(caches.lease(name, ids))))
+            drafts = {name: tokens(rng.randint(0, 4), seed=1000 + step) for name, _ in leased}
+            fits = caches.reserve([(seq, len(committed[n]) + len(drafts[n])) for n, seq in leased])
+            batch = [(n, seq) for (n, seq), ok in zip(leased, fits) if ok]
+            if batch:
+                caches.extend_batch([(seq, committed[n][len(seq.token_ids):] + drafts[n]) for n, seq in batch])
+            for n, seq in batch:
+                accepted = rng.randint(0, len(drafts[n]))
+                caches.crop(seq, len(committed[n]) + accepted)
+                committed[n] = committed[n] + drafts[n][:accepted] + [rng.randrange(VOCAB)]
+            if rng.random() < 0.1:  # an EndSession during the round
+                caches.release(names[0])
+                live.remove(names[0])  # an ended id is refused from then on
+        assert caches.num_free_units == bb.num_free_blocks, step
+    assert caches.num_free_units >= 0
