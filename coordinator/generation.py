@@ -18,7 +18,6 @@ from coordinator.adaptive import AdaptiveK
 from coordinator.loop import Proposer, Speculator, Verifier
 from coordinator.sessions import Session, SessionStats, SessionStore
 from coordinator.text import OutputText, TextCodec
-from coordinator.workers import request_deadline
 from specdec_core import metrics
 from specdec_core.errors import Cancelled, InvalidArgument, ResourceExhausted
 from specdec_core.limits import validate_session_id
@@ -109,7 +108,6 @@ class Generation:
                  verifier: Verifier, limits: Limits, routes: dict[str, dict[str, str]] | None = None):
         self.store = store
         self.routes = routes if routes is not None else {}  # sessions in flight -> their replicas
-        self._first_chunk_s = 0.0  # moving average of the time to a request's first chunk
         self._prefetch = ThreadPoolExecutor(max_workers=limits.max_concurrent_requests, thread_name_prefix="prefetch")
         self.codec = codec
         self.proposer = proposer
@@ -119,23 +117,14 @@ class Generation:
 
     def run(self, req: GenerationRequest, is_cancelled: Callable[[], bool] = lambda: False) -> Iterator[Chunk]:
         """The request's chunks. How many run at once is bounded by the server's admission lane
-        (--max-concurrent-requests); a request whose deadline is nearer than the recent time to a
-        first chunk is refused at once instead of failing late."""
+        (--max-concurrent-requests), which refuses the excess at once: the coordinator has no queue
+        of its own; the workers refuse a call whose deadline their queue would miss."""
         self._validate(req)
-        deadline = request_deadline.get()
-        if deadline is not None and time.monotonic() + self._first_chunk_s > deadline:
-            raise ResourceExhausted(f"busy: a first chunk takes about {self._first_chunk_s * 1e3:.0f} ms now, "
-                                    f"past the request's deadline; retry later or with a longer deadline")
-        started = time.monotonic()
         session = self.store.load(req.session_id) if req.session_id else self.store.new(req.seed)
         with self.store.held(session.session_id), log_context(session_id=session.session_id):
             self.routes[session.session_id] = session.routes  # routed workers update it in place
             try:
-                for i, chunk in enumerate(self._run(req, session, is_cancelled)):
-                    if i == 0:
-                        elapsed = time.monotonic() - started
-                        self._first_chunk_s = 0.8 * self._first_chunk_s + 0.2 * elapsed if self._first_chunk_s else elapsed
-                    yield chunk
+                yield from self._run(req, session, is_cancelled)
             finally:
                 self.routes.pop(session.session_id, None)
 

@@ -38,7 +38,8 @@ class OutputText:
     Text that could still turn into a stop string, or that ends in an incomplete character, is
     held back until the next tokens decide it.
 
-    A round costs O(new tokens + the longest stop string), however long the output already is.
+    A round decodes and searches O(new tokens + the longest stop string), however long the output
+    already is (`.text` is still kept whole, a plain string copy).
     New tokens are decoded after a short window of the tokens before them, whose own text is then
     cut off (the prefix/read offsets of TGI's and vLLM's incremental detokenization): the window
     gives the tokenizer the context it needs (a leading space, say). A stop string is looked for

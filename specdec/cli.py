@@ -165,6 +165,13 @@ def _stop_on_signals() -> None:
         signal.signal(sig, interrupt)
 
 
+def _stop(stack) -> None:
+    """Stop the stack; a second Ctrl-C, SIGTERM or SIGHUP meanwhile must not cut that short."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    stack.down()
+
+
 def _start_stack(a: argparse.Namespace):
     import tempfile
     from pathlib import Path
@@ -183,7 +190,7 @@ def _start_stack(a: argparse.Namespace):
     try:
         stack.up()
     except BaseException:
-        stack.down()
+        _stop(stack)
         raise
     print(f"specdec: up in {time.perf_counter() - started:.0f} s; coordinator at {stack.address('coordinator')}, "
           f"redis at {stack.redis_url}", file=sys.stderr)
@@ -214,7 +221,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         print(f"\nspecdec: {stop.args[0] if stop.args else 'interrupted'}; stopping", file=sys.stderr)
         return 0
     finally:
-        stack.down()
+        _stop(stack)
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
@@ -236,7 +243,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
                   f"acceptance {spec['acceptance_rate']:.0%}, {spec['mean_accepted_length']:.2f} tokens per target pass",
                   file=sys.stderr)
     finally:
-        stack.down()
+        _stop(stack)
     return 0
 
 

@@ -257,10 +257,6 @@ class BatchedBackend:
     def num_free_blocks(self) -> int:
         return len(self._free_blocks)
 
-    @property
-    def num_free_tokens(self) -> int:
-        return len(self._free_blocks) * self.block_size
-
     # ------------------------------------------------------------------------------------------
     # Internals
 

@@ -6,9 +6,11 @@ requests that arrive while a batch runs form the next one, so at concurrency 1 n
 at high concurrency batches fill by themselves.
 
 Admission: a full queue answers RESOURCE_EXHAUSTED at once instead of growing latency without
-bound, and so does a task whose deadline the work queued ahead of it would miss (the expected wait
-is the number of batches ahead times the recent mean batch time). A task whose caller has gone
-away is dropped unrun. The engine thread survives anything a batch raises.
+bound, and so does a task whose deadline the work ahead of it would miss: the rest of the batch
+running now, plus the batches queued ahead and its own, each at the recent mean batch time. With
+nothing running or queued a task is always admitted (so one slow batch cannot shut the door for
+good). A task whose caller has gone away is dropped unrun. The engine thread survives anything a
+batch raises.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class BatchQueue(Generic[T, R]):
         self._queue: queue.Queue[_Pending[T]] = queue.Queue(maxsize=max_queue)
         self._deferred: list[_Pending[T]] = []
         self._batch_s = 0.0  # moving average of a batch's run time
+        self._running_since: float | None = None  # time.monotonic() when the running batch began
         self._thread = threading.Thread(target=self._run, daemon=True, name=name)
         self._thread.start()
 
@@ -69,8 +72,13 @@ class BatchQueue(Generic[T, R]):
         return pending.future.result()
 
     def expected_wait_s(self) -> float:
-        """Until a task submitted now is done: the batch running, the full batches queued, its own."""
-        return self._batch_s * (2 + (self._queue.qsize() + len(self._deferred)) // self.max_batch)
+        """Until a task submitted now would be done: the rest of the running batch, the batches
+        queued ahead, its own; 0 when nothing is running or queued."""
+        running_since, queued = self._running_since, self._queue.qsize() + len(self._deferred)
+        if running_since is None and not queued:
+            return 0.0
+        rest = max(0.0, self._batch_s - (time.monotonic() - running_since)) if running_since is not None else 0.0
+        return rest + self._batch_s * (1 + -(-queued // self.max_batch))
 
     def _run(self) -> None:
         while True:
@@ -93,11 +101,13 @@ class BatchQueue(Generic[T, R]):
     def _process(self, live: list[_Pending[T]]) -> None:
         if not live:
             return
-        started = time.monotonic()
+        started = self._running_since = time.monotonic()
         try:
             results = self.process([p.task for p in live])
         except BaseException as exc:  # noqa: BLE001 - the whole batch failed
             results = [exc] * len(live)
+        finally:
+            self._running_since = None
         elapsed = time.monotonic() - started
         self._batch_s = elapsed if not self._batch_s else 0.8 * self._batch_s + 0.2 * elapsed
         for pending, result in zip(live, results):

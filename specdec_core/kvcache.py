@@ -129,7 +129,7 @@ class SessionCaches:
             self.crop(seq, keep)
             yield seq
         except BaseException:
-            self.crop(seq, 0)  # a half-done forward pass leaves the cache in an unknown state
+            self._reset(seq)  # a half-done forward pass leaves the cache in an unknown state
             raise
         finally:
             with self._lock:
@@ -162,15 +162,19 @@ class SessionCaches:
         """Several sessions' extensions in one model step when the backend can batch; per item the
         logits of its last `num_logits[i]` tokens (default all)."""
         forward_batch = getattr(self.backend, "forward_batch", None)
-        if forward_batch is not None:
-            logits = forward_batch([(seq.handle, ids, len(seq.token_ids)) for seq, ids in items], num_logits)
-        else:
+        if forward_batch is None:  # one at a time, each counted as soon as its cache has grown
             keep = num_logits or [None] * len(items)
-            logits = [self.backend.forward(seq.handle, ids, len(seq.token_ids), k) for (seq, ids), k in zip(items, keep)]
+            return [self._extended(seq, ids, self.backend.forward(seq.handle, ids, len(seq.token_ids), k))
+                    for (seq, ids), k in zip(items, keep)]
+        logits = forward_batch([(seq.handle, ids, len(seq.token_ids)) for seq, ids in items], num_logits)
+        for seq, ids in items:
+            self._extended(seq, ids)
+        return logits
+
+    def _extended(self, seq: CachedSequence, token_ids: list[int], logits: torch.Tensor | None = None):
         with self._lock:
-            for seq, ids in items:
-                seq.token_ids.extend(ids)
-                self._account(seq)
+            seq.token_ids.extend(token_ids)
+            self._account(seq)
         return logits
 
     def crop(self, seq: CachedSequence, length: int) -> None:
@@ -178,6 +182,15 @@ class SessionCaches:
             self.backend.crop(seq.handle, length)
             with self._lock:
                 del seq.token_ids[length:]
+                self._account(seq)
+
+    def _reset(self, seq: CachedSequence) -> None:
+        """Empty the cache whatever the bookkeeping says (it may lag a failed forward pass)."""
+        try:
+            self.backend.crop(seq.handle, 0)
+        finally:
+            with self._lock:
+                seq.token_ids.clear()
                 self._account(seq)
 
     def release(self, session_id: str) -> bool:
@@ -218,16 +231,20 @@ class SessionCaches:
     def _drop(self, session_id: str, seq: CachedSequence) -> None:
         if self._sequences.get(session_id) is seq:
             del self._sequences[session_id]
-        self.backend.free(seq.handle)
-        self._held -= seq.units
+        self._held -= seq.units  # counted free even if the backend fails to free it
         seq.units = 0
         seq.token_ids.clear()
+        self.backend.free(seq.handle)
 
     def _make_room(self, units: int) -> bool:
-        """Evict idle sessions, least recently used first, until `units` are free."""
-        if self.capacity - self._held >= units:
+        """Evict idle sessions, least recently used first, until `units` are free; evict nothing
+        when even all of them would not make enough room."""
+        free = self.capacity - self._held
+        if free >= units:
             return True
         idle = sorted((s.last_used, sid) for sid, s in self._sequences.items() if not s.is_in_use)
+        if free + sum(self._sequences[sid].units for _, sid in idle) < units:
+            return False
         for _, sid in idle:
             self._drop(sid, self._sequences[sid])
             metrics.CACHE_EVICTIONS.labels(self.role).inc()

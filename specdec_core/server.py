@@ -114,7 +114,9 @@ class ParseRequestsInterceptor(grpc.ServerInterceptor):
 def create_server(lanes: Lanes, interceptors: tuple = ()) -> grpc.Server:
     """A server with one handler thread for every call its lanes admit, plus health's own.
     grpc's own limit on calls in progress is a backstop against floods of calls that are refused
-    (each holds a thread for microseconds): beyond it grpc refuses before any thread is used."""
+    (each holds a thread briefly) or that are slow to send their request (a thread waits for the
+    body before any lane sees the call): beyond it grpc refuses before any thread is used. Probes
+    that must never wait belong on `--health-port`, whose server has threads of its own."""
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=lanes.threads, thread_name_prefix="grpc"),
         interceptors=(*interceptors, AdmissionInterceptor(lanes), ParseRequestsInterceptor()),

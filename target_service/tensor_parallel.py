@@ -41,6 +41,8 @@ def die_with_parent() -> None:
     must not outlive the service it belongs to."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # torchrun died before the call above
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def init(device: str, timeout_s: float) -> tuple[str, dist.ProcessGroup]:

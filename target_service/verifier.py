@@ -15,7 +15,7 @@ import torch
 
 from specdec_core import metrics
 from specdec_core.batching import BatchQueue
-from specdec_core.errors import InvalidArgument, ResourceExhausted, SpecdecError
+from specdec_core.errors import InvalidArgument, ResourceExhausted
 from specdec_core.kvcache import CachedSequence, SessionCaches
 from specdec_core.sampling import (
     Purpose,
@@ -69,7 +69,7 @@ class Verifier:
             for i, task in enumerate(tasks):
                 try:
                     leased.append((i, stack.enter_context(self.caches.lease(task.session_id, task.committed_ids))))
-                except SpecdecError as exc:
+                except Exception as exc:  # noqa: BLE001 - that session alone fails, never its batch
                     results[i] = exc
             leased = self._admit(tasks, leased, results)
             if not leased:

@@ -3,6 +3,8 @@ and starting a stack whose logs are printed when it fails to come up."""
 
 from __future__ import annotations
 
+import urllib.request
+
 import grpc
 
 from specdec.launcher import Stack
@@ -57,3 +59,14 @@ def assert_no_cache_left(stack, session_ids: list[str]) -> None:
             stub = draft_pb2_grpc.DraftStub(channel)
             for session_id in session_ids:
                 assert not stub.ReleaseDraftCache(draft_pb2.ReleaseDraftCacheRequest(session_id=session_id)).released
+
+
+def scrape(port: int) -> dict[str, float]:
+    """A service's Prometheus metrics: {'name{labels}': value}."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples

@@ -8,8 +8,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from coordinator.cancel import call_cancel
 from coordinator.loop import Draft, Speculator, Verdict, _Bet
+from specdec_core.errors import ResourceExhausted
 from specdec_core.sampling import SamplingConfig
 
 GREEDY = SamplingConfig()
@@ -120,3 +123,14 @@ def test_a_bet_applies_only_to_the_prefix_it_assumed():
     assert bet.block_after([1, 2, 3, 8]) is None  # a guess was wrong
     assert bet.block_after([0, 2, 3, 7]) is None  # another prefix
     assert bet.block_after([1, 2]) is None
+
+
+@pytest.mark.capacity
+def test_a_draft_without_room_makes_that_round_plain():
+    class Full:
+        def propose(self, *args, **kwargs):
+            raise ResourceExhausted("draft KV cache full: no room for session 's' now")
+
+    spec = Speculator("s", GREEDY, 0, Full(), ScriptedVerifier(3, [42]))
+    rnd = spec.round([1, 2, 3], 4)
+    assert rnd.new_ids == [42] and rnd.num_drafted == 0  # K = 0 for this session, this round

@@ -15,7 +15,7 @@ from stacks import start_stack
 from coordinator.routing import EndpointSliceWatch, ReplicaPool, from_dns, from_file, rendezvous, static
 from specdec import Client
 from specdec.launcher import free_port
-from specdec_core.errors import Unavailable
+from specdec_core.errors import ResourceExhausted, Unavailable
 
 pytestmark = pytest.mark.routing
 
@@ -50,6 +50,25 @@ def test_pool_call_moves_the_session_on_unavailable():
         return address
 
     assert pool.call("s", routes, fn) == "b:1" and routes["target"] == "b:1"
+
+
+@pytest.mark.capacity
+def test_a_replica_without_room_for_one_session_is_not_down():
+    """A worker's RESOURCE_EXHAUSTED (no room for this session now) goes to the caller (the draft:
+    that round runs without a draft), the session stays, and neither the replica nor drafting for
+    everyone is switched off."""
+    d = static(["a:1", "b:1"])
+    pool = ReplicaPool("draft", d, make_client=lambda a: a, retry_budget_s=5, fail_fast=True)
+    routes = {"draft": "a:1"}
+
+    def full(address):
+        raise ResourceExhausted("draft KV cache full")
+
+    for _ in range(5):
+        with pytest.raises(ResourceExhausted):
+            pool.call("s", routes, full)
+    assert routes["draft"] == "a:1" and not pool.all_down() and pool.choose("t", None) in ("a:1", "b:1")
+    assert pool.call("s", routes, lambda address: address) == "a:1"
 
 
 def _slice(name: str, ready: list[str], not_ready: list[str] = ()) -> k8s.V1EndpointSlice:

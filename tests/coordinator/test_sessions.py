@@ -111,10 +111,10 @@ def test_a_lost_lease_is_neither_renewed_nor_released_by_its_old_holder(store):
 
 @pytest.mark.capacity
 def test_the_heartbeat_keeps_a_held_lease_alive(store):
-    short = SessionStore(store.redis, lease_seconds=0.6)
+    short = SessionStore(store.redis, lease_seconds=2.0)  # renewed every 0.67 s: a 1.3 s stall is allowed
     s = short.new(seed=1)
     with short.held(s.session_id):
-        time.sleep(2.0)  # over three leases: only the heartbeat keeps it
+        time.sleep(5.0)  # over two leases: only the heartbeat keeps it
         with pytest.raises(FailedPrecondition, match="busy"):
             short.acquire(s.session_id)
     assert not store.redis.exists(_lease_key(s.session_id))

@@ -11,10 +11,8 @@ budgets scaled down so that every bound is crossed many times over:
 
 from __future__ import annotations
 
-import re
 import threading
 import time
-import urllib.request
 
 import grpc
 import pytest
@@ -22,12 +20,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec import Client
 from specdec.launcher import free_port
-from stacks import assert_no_cache_left, end_stream, start_stack
+from specdec_core.admission import Lanes
+from stacks import assert_no_cache_left, end_stream, scrape, start_stack
 
 pytestmark = [pytest.mark.capacity, pytest.mark.e2e]
 
 MAX_CONCURRENT = 4  # coordinator --max-concurrent-requests
-COORDINATOR_THREADS = MAX_CONCURRENT + 4 + 8 + 4  # work + streams + control + health (admission.Lanes)
+COORDINATOR_THREADS = Lanes(frozenset(), work=MAX_CONCURRENT).threads  # as the coordinator sizes its pool
 CACHE_TOKENS = 256  # each worker's KV cache: 16 blocks of 16 tokens
 HEALTH_BOUND_S = 1.0  # a health check normally takes a few ms; only a defect crosses this
 
@@ -46,9 +45,8 @@ def stack(tiny_pair, tmp_path_factory):
 
 
 def metric(stack, role: str, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_ports[role]}/metrics", timeout=5).read().decode()
-    values = re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
-    return sum(float(v) for v in values)
+    """A metric summed over its labels."""
+    return sum(v for key, v in scrape(stack.metrics_ports[role]).items() if key == name or key.startswith(name + "{"))
 
 
 def prompt(i: int) -> list[int]:
@@ -113,6 +111,7 @@ def test_three_times_the_handler_threads_at_once(stack):
 
     def client(i: int) -> None:
         with Client(stack.address("coordinator"), timeout_s=300) as c:
+            grpc.channel_ready_future(c.channel).result(timeout=60)  # time the call, not the connect
             go.wait()
             started = time.monotonic()
             try:

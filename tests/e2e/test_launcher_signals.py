@@ -81,6 +81,10 @@ def test_a_signal_to_specdec_up_leaves_no_process_of_the_stack(sig, tiny_pair, t
     pids: dict[int, str] = {}
     try:
         wait_serving(f"127.0.0.1:{port}", 300, up, "specdec up")
+        deadline = time.monotonic() + 60  # up prints this once it is done starting: signal it after
+        while b"specdec: try" not in (tmp_path / "up.err").read_bytes():
+            assert up.poll() is None and time.monotonic() < deadline, (tmp_path / "up.err").read_text()
+            time.sleep(0.1)
         pids = _descendants(up.pid)
         assert len(pids) >= 4, pids  # redis-server, draft, target, coordinator
         up.send_signal(sig)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import urllib.request
 
 import pytest
 
 from specdec import Client
 from specdec.launcher import free_port
-from stacks import start_stack
+from stacks import scrape, start_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -22,16 +21,6 @@ def stack(tiny_pair, tmp_path_factory):
     stack.metrics_ports = ports
     yield stack
     stack.down()
-
-
-def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            samples[name] = float(value)
-    return samples
 
 
 def test_every_service_exports_its_metrics(stack):

@@ -79,12 +79,13 @@ def test_every_container_has_probes(releases, name):
                 assert probe in container, f"{workload['metadata']['name']}/{container['name']}: no {probe}"
             if component == "redis":
                 continue
-            # Kubernetes' gRPC probes speak plaintext only: on a TLS port they use the health port.
-            probed = "health" if server_tls(release.values, component) else "grpc"
-            probed_port = port_named(container, probed)
-            assert probed_port is not None, f"{component}: no {probed} container port"
-            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            # Probes use the plaintext health port (threads of its own; Kubernetes' gRPC probes
+            # speak no TLS); liveness asks "liveness", which a dependency outage does not turn off.
+            probed_port = port_named(container, "health")
+            assert probed_port is not None, f"{component}: no health container port"
+            for probe in ("startupProbe", "readinessProbe"):
                 assert container[probe]["grpc"] == {"port": probed_port}, f"{component} {probe}"
+            assert container["livenessProbe"]["grpc"] == {"port": probed_port, "service": "liveness"}
             startup = container["startupProbe"]
             assert startup["failureThreshold"] * startup["periodSeconds"] >= 600, "model loading is slow"
 

@@ -119,19 +119,18 @@ def test_tls_and_health_port_wiring(releases, name):
     for component in release.components():
         container = release.container(component)
         flags = flags_of(container["args"])
+        health = values["health"]["port"]  # probes always use the plaintext health port
+        assert flags["health-port"] == str(health) and port_named(container, "health") == health
+        probes = ("startupProbe", "readinessProbe", "livenessProbe")
+        assert {container[p]["grpc"]["port"] for p in probes} == {health}
+        # The health port is plaintext and for the kubelet only: no Service exposes it.
+        for service in release.of_kind("Service"):
+            assert "health" not in {p["targetPort"] for p in service["spec"]["ports"]}
         if server_tls(values, component):
-            health = values["health"]["port"]
-            assert flags["health-port"] == str(health) and port_named(container, "health") == health
-            probes = ("startupProbe", "readinessProbe", "livenessProbe")
-            assert {container[p]["grpc"]["port"] for p in probes} == {health}
             # Workers demand the coordinator's client certificate (mutual TLS); the public API does not.
             assert ("tls-client-ca" in flags) == (component != "coordinator")
-            # The health port is plaintext and for the kubelet only: no Service exposes it.
-            for service in release.of_kind("Service"):
-                assert "health" not in {p["targetPort"] for p in service["spec"]["ports"]}
         else:
-            assert not {"tls-cert", "tls-key", "tls-client-ca", "health-port"} & set(flags)
-            assert port_named(container, "health") is None
+            assert not {"tls-cert", "tls-key", "tls-client-ca"} & set(flags)
     coordinator = flags_of(release.container("coordinator")["args"])
     if server_tls(values, "target"):
         # Workers are dialled by pod IP (DNS discovery): the name checked in their certificate.
@@ -156,7 +155,7 @@ def test_tls_auth_release_wires_everything(releases):
     internal_only = releases["tls-internal-metrics-off"]
     coordinator = flags_of(internal_only.container("coordinator")["args"])
     assert "tls-cert" not in coordinator and coordinator["worker-tls-server-name"] == "specdec-internal"
-    assert internal_only.container("coordinator")["startupProbe"]["grpc"]["port"] == 50050
+    assert internal_only.container("coordinator")["startupProbe"]["grpc"]["port"] == internal_only.values["health"]["port"]
 
 
 @pytest.mark.parametrize("name", VALUE_SETS)

@@ -28,6 +28,7 @@ def test_a_deadline_the_queue_cannot_meet_is_refused_before_queueing():
     release.clear()
     busy = threading.Thread(target=q.submit, args=("busy", "b"))
     busy.start()
+    wait_until(lambda: q._running_since is not None)
     started = time.monotonic()
     with pytest.raises(ResourceExhausted, match="deadline"):
         q.submit("late", "c", deadline=time.monotonic() + 0.2)
@@ -38,15 +39,26 @@ def test_a_deadline_the_queue_cannot_meet_is_refused_before_queueing():
     assert q.submit("in time", "d", deadline=time.monotonic() + 60) == "in time"
 
 
+def test_an_idle_worker_admits_whatever_its_last_batches_took():
+    q = BatchQueue(lambda tasks: tasks, window_s=0.0, max_batch=1)
+    q._batch_s = 30.0  # one very slow batch (a cold start, a long prefill) must not shut the door
+    assert q.submit("short deadline", "a", deadline=time.monotonic() + 0.5) == "short deadline"
+
+
+def wait_until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
 def test_a_full_queue_refuses_at_once():
     release = threading.Event()
     q = BatchQueue(lambda tasks: (release.wait(10), tasks)[1], window_s=0.0, max_batch=1, max_queue=2)
     threads = [threading.Thread(target=q.submit, args=(i, str(i))) for i in range(3)]  # 1 running + 2 queued
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 10
-    while q._queue.qsize() < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: q._queue.qsize() == 2)
     with pytest.raises(ResourceExhausted, match="2 requests queued"):
         q.submit("one too many", "x")
     release.set()

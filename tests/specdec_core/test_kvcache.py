@@ -87,9 +87,9 @@ def test_a_batch_admits_what_fits_and_refuses_only_the_rest():
     _fill(caches, "idle", [1, 2, 3, 4])
     with caches.lease("a", [1]) as a, caches.lease("b", [1]) as b, caches.lease("c", [1]) as c:
         caches.extend(a, [1, 2, 3])  # a holds 1 block and is in the batch
-        fits = caches.reserve([(a, 8), (b, 12), (c, 4)])  # +1, +3 (too many), +1 blocks
+        fits = caches.reserve([(a, 8), (b, 12), (c, 8)])  # +1, +3 (too many even after evicting), +2 blocks
         assert fits == [True, False, True]
-        assert "idle" not in caches._sequences  # evicted for the batch
+        assert "idle" not in caches._sequences  # evicted for c, not for b, which could not fit anyway
         assert a.token_ids == [1, 2, 3]  # a co-batched session is never cropped for another's room
 
 
@@ -123,6 +123,39 @@ def test_a_session_in_flight_is_busy():
         with pytest.raises(FailedPrecondition, match="busy"):
             with caches.lease("a", [1]):
                 pass
+
+
+def test_a_request_that_cannot_fit_evicts_nobody():
+    caches = SessionCaches(RecordingBackend(capacity=4, block=4))
+    _fill(caches, "a", [1, 2, 3, 4])
+    _fill(caches, "b", [1, 2, 3, 4])
+    with caches.lease("huge", [1]) as seq:
+        assert caches.reserve([(seq, 100)]) == [False]
+    assert {"a", "b"} <= set(caches._sequences)
+
+
+class BatchlessFailing(RecordingBackend):
+    """No forward_batch: items run one by one, and the second one's forward fails midway (after
+    its cache has grown)."""
+
+    def forward(self, handle, token_ids, start, num_logits=None):
+        out = super().forward(handle, token_ids, start, num_logits)
+        if token_ids == [666]:
+            raise RuntimeError("forward blew up")
+        return out
+
+
+def test_a_failed_item_of_an_unbatched_backend_leaves_every_cache_consistent():
+    backend = BatchlessFailing()
+    caches = SessionCaches(backend)
+    with pytest.raises(RuntimeError):
+        with caches.lease("a", [1, 2]) as a, caches.lease("b", [3]) as b:
+            caches.extend_batch([(a, [1, 2]), (b, [666])])
+    for name, seq_ids in (("a", [1, 2, 5]), ("b", [3, 4])):  # both usable afterwards
+        with caches.lease(name, seq_ids) as seq:
+            assert backend.lengths[seq.handle] == len(seq.token_ids)
+            caches.extend(seq, seq_ids[len(seq.token_ids):])
+    assert caches.num_free_units == backend.capacity - sum(backend.lengths.values())
 
 
 def test_a_failed_forward_empties_the_cache():

@@ -266,7 +266,7 @@ topologySpreadConstraints:
 {{- $v := index $.Values $component }}
 {{- $ports := list (int $v.port) }}
 {{- if $.Values.metrics.enabled }}{{ $ports = append $ports (int $.Values.metrics.port) }}{{ end }}
-{{- if include "specdec.serverTls" (dict "ctx" $ "component" $component) }}{{ $ports = append $ports (int $.Values.health.port) }}{{ end }}
+{{- $ports = append $ports (int $.Values.health.port) }}
 {{- if ne (len $ports) (len (uniq $ports)) }}
 {{- fail (printf "%s: its gRPC, metrics and health ports must differ, got %v" $component $ports) }}
 {{- end }}
@@ -303,10 +303,11 @@ topologySpreadConstraints:
 {{- if eq .component "coordinator" }}{{ include "specdec.publicTls" .ctx }}{{ else }}{{ include "specdec.internalTls" .ctx }}{{ end }}
 {{- end }}
 
-{{/* The port the probes use: the gRPC port, or the plaintext health port when that speaks TLS.
-(dict "ctx" $ "component" "draft" "port" 50051) */}}
+{{/* The port the probes use: always the plaintext health port, served by its own threads, so
+that no load on (or slow client of) the gRPC port can starve a probe; Kubernetes' gRPC probes
+cannot speak TLS anyway. (dict "ctx" $ "component" "draft" "port" 50051) */}}
 {{- define "specdec.probePort" -}}
-{{- if include "specdec.serverTls" . }}{{ .ctx.Values.health.port }}{{ else }}{{ .port }}{{ end }}
+{{ .ctx.Values.health.port }}
 {{- end }}
 
 {{/* Flags every specdec server gets: drain, metrics and its own TLS.
@@ -324,22 +325,20 @@ topologySpreadConstraints:
 {{- if ne .component "coordinator" }}
 - --tls-client-ca={{ $dir }}/ca.crt
 {{- end }}
+{{- end }}
 - --health-port={{ $ctx.Values.health.port }}
 {{- end }}
-{{- end }}
 
-{{/* Container ports besides grpc: metrics and, with TLS, health. (dict "ctx" $ "component" "draft") */}}
+{{/* Container ports besides grpc: metrics and health. (dict "ctx" $ "component" "draft") */}}
 {{- define "specdec.extraPorts" -}}
 {{- if .ctx.Values.metrics.enabled }}
 - name: metrics
   containerPort: {{ .ctx.Values.metrics.port }}
   protocol: TCP
 {{- end }}
-{{- if include "specdec.serverTls" . }}
 - name: health
   containerPort: {{ .ctx.Values.health.port }}
   protocol: TCP
-{{- end }}
 {{- end }}
 
 {{/* The metrics Service port. */}}

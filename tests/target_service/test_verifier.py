@@ -1,0 +1,49 @@
+"""The verifier's batches under a full KV cache: a session that does not fit is refused alone,
+the sessions batched with it get exactly the verdicts they get on their own, and nothing is left
+counted that the pool did not hand out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdec_core.batched_backend import BatchedBackend
+from specdec_core.errors import ResourceExhausted
+from specdec_core.kvcache import SessionCaches
+from specdec_core.sampling import SamplingConfig
+from target_service.verifier import Verifier, VerifyTask
+
+pytestmark = pytest.mark.capacity
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(config).eval()
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_a_session_that_does_not_fit_is_refused_alone(model):
+    tasks = [VerifyTask("a", ids(10, 1), [5, 6], SamplingConfig()),
+             VerifyTask("big", ids(60, 2), [7], SamplingConfig()),  # 4 blocks: more than is left
+             VerifyTask("b", ids(12, 3), [8], SamplingConfig())]
+    pool = BatchedBackend(model, max_tokens=64, block_size=16)  # 4 blocks of 16 tokens
+    caches = SessionCaches(pool)
+    results = Verifier(caches, max_context=512)._verify_batch(tasks)
+
+    assert isinstance(results[1], ResourceExhausted) and "'big'" in str(results[1])
+    for i in (0, 2):  # the others: the verdict each gets alone, in a roomy cache
+        alone = Verifier(SessionCaches(BatchedBackend(model, max_tokens=1024)), max_context=512)
+        expected = alone._verify_batch([tasks[i]])[0]
+        assert (results[i].num_accepted, results[i].next_token_id) == (expected.num_accepted, expected.next_token_id)
+        assert results[i].batch_size == 2
+    assert caches.num_free_units == pool.num_free_blocks
+    again = Verifier(caches, max_context=512)._verify_batch([tasks[1]])  # alone, after a and b are idle
+    assert not isinstance(again[0], BaseException)  # a and b were evicted to make room
