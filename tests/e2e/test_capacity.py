@@ -11,6 +11,7 @@ budgets scaled down so that every bound is crossed many times over:
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 
@@ -19,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec import Client
-from specdec.launcher import free_port
+from specdec.launcher import free_port, redis_server_binary, spawn
 from specdec_core.admission import Lanes
 from stacks import assert_no_cache_left, end_stream, scrape, start_stack
 
@@ -211,13 +212,22 @@ def _wait_status(address: str, status: int, timeout_s: float = 60) -> None:
         time.sleep(0.2)
 
 
-def test_health_says_not_serving_while_the_target_is_gone_and_liveness_stays_up(stack):
-    """Last in the module: it stops the target."""
+@pytest.mark.parametrize("dependency", ["target", "redis"])
+def test_health_says_not_serving_while_a_dependency_is_gone_and_liveness_stays_up(stack, dependency):
+    """Last in the module: it stops the target, then Redis, and brings each back."""
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     coordinator = stack.address("coordinator")
     assert _status(coordinator) == serving
-    stack.stop("target")
+    redis_port = stack.redis_url.rsplit(":", 1)[1].split("/")[0]
+    stack.stop(dependency)
     _wait_status(coordinator, not_serving)
     assert _status(coordinator, "liveness") == serving  # a liveness probe must not restart the pod for it
-    stack.start("target")
+    if dependency == "redis":  # the same server again, on the same port
+        stack.processes["redis"] = spawn([redis_server_binary(), "--port", redis_port, "--bind", "127.0.0.1",
+                                          "--save", "", "--appendonly", "no"],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    else:
+        stack.start(dependency)
     _wait_status(coordinator, serving)
+    with Client(coordinator, timeout_s=60) as client:
+        assert client.generate(prompt(3), max_new_tokens=4, k=2).token_ids
