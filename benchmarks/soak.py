@@ -31,7 +31,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -42,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(ROOT)]
 
-from specdec.launcher import Stack, free_port, spawn  # noqa: E402
+from specdec.launcher import Stack, free_port, scrape_metrics, spawn  # noqa: E402
 from specdec.loadtest import percentiles  # noqa: E402 (does not import locust)
 
 SERVICES = ("coordinator", "draft", "target")
@@ -51,10 +50,14 @@ PROGRESS_S = 30.0
 PROGRESS_LINE = re.compile(r"\|\s*(\d+) ok, (\d+) failed \|")
 
 
-def build_stack(target: str, draft: str, log_dir: Path) -> tuple[Stack, dict[str, int]]:
-    """`specdec up`'s Stack (see cli._start_stack), with a metrics port per service."""
+def build_stack(target: str, draft: str, log_dir: Path,
+                target_cache_tokens: int = 0) -> tuple[Stack, dict[str, int]]:
+    """`specdec up`'s Stack (see cli._start_stack), with a metrics port per service (and, when
+    given, a smaller target KV cache, so that a short soak cycles it)."""
     metrics = {name: free_port() for name in SERVICES}
     args = {"draft": ["--backend", "auto"]}
+    if target_cache_tokens:
+        args["target"] = ["--max-cache-tokens", str(target_cache_tokens)]
     for name, port in metrics.items():
         args[name] = args.get(name, []) + ["--metrics-port", str(port)]
     stack = Stack(target_model=target, draft_model=draft, redis_url=os.environ.get("REDIS_URL", ""),
@@ -63,18 +66,11 @@ def build_stack(target: str, draft: str, log_dir: Path) -> tuple[Stack, dict[str
 
 
 def scrape(port: int) -> dict[str, float]:
-    """Prometheus text from a service: {'name{labels}': value}; {} when it does not answer."""
+    """A service's metrics; {} when it does not answer."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            text = r.read().decode()
+        return scrape_metrics(port, timeout_s=5)
     except OSError:
         return {}
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            values[key] = float(value)
-    return values
 
 
 def counter_delta(before: dict, after: dict, name: str) -> dict[str, float]:
@@ -226,6 +222,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--spawn-rate", type=float, default=2.0, help="users started per second (default 2)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="per request (default 64, the load test's)")
     p.add_argument("--tiny", action="store_true", help="a tiny random pair instead of the embedded one (smoke)")
+    p.add_argument("--target-cache-tokens", type=int, default=0,
+                   help="the target's --max-cache-tokens (default: its own default, 65536, which ten minutes "
+                        "of this traffic do not fill; e.g. 4096 makes the target evict all the time)")
     p.add_argument("--out", default=str(HERE / "results" / "soak.json"), help="the JSON (default %(default)s)")
     p.add_argument("--log-dir", default=None, help="service and load-test logs (default: a new temp folder)")
     return p
@@ -240,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"soak: {a.users} users, {a.minutes:g} min, max_new_tokens {a.max_new_tokens}, "
           f"{'tiny pair' if a.tiny else 'embedded pair'}; logs in {log_dir}", flush=True)
     target, draft = prepare_models(a, scratch)
-    stack, metrics_ports = build_stack(target, draft, log_dir)
+    stack, metrics_ports = build_stack(target, draft, log_dir, a.target_cache_tokens)
     loadtest = None
     try:
         started = time.perf_counter()

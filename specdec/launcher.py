@@ -210,3 +210,17 @@ def _wait_port(port: int, timeout_s: float) -> None:
                 return
         time.sleep(0.05)
     raise TimeoutError(f"nothing listening on port {port} after {timeout_s} s")
+
+
+def scrape_metrics(port: int, timeout_s: float = 10.0) -> dict[str, float]:
+    """A local service's Prometheus metrics (its --metrics-port): {'name{labels}': value}."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as response:
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples

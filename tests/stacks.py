@@ -3,11 +3,10 @@ and starting a stack whose logs are printed when it fails to come up."""
 
 from __future__ import annotations
 
-import urllib.request
-
 import grpc
 
 from specdec.launcher import Stack
+from specdec.launcher import scrape_metrics as scrape  # noqa: F401 - shared with the tests
 from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 
@@ -60,13 +59,3 @@ def assert_no_cache_left(stack, session_ids: list[str]) -> None:
             for session_id in session_ids:
                 assert not stub.ReleaseDraftCache(draft_pb2.ReleaseDraftCacheRequest(session_id=session_id)).released
 
-
-def scrape(port: int) -> dict[str, float]:
-    """A service's Prometheus metrics: {'name{labels}': value}."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            samples[name] = float(value)
-    return samples
