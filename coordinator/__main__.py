@@ -105,7 +105,7 @@ def _ready(store: SessionStore, target: Routed) -> bool:
     except redis.RedisError as exc:
         log.warning("readiness: Redis does not answer: %s", exc)
         return False
-    if not target.pool.any_serving():
+    if not target.pool.any_serving(timeout_s=2.0):
         log.warning("readiness: no target replica is serving")
         return False
     return True

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 LIVENESS = "liveness"
 HEALTH_EVERY_S = 2.0
+NOT_READY_AFTER = 2  # failed readiness checks in a row
 
 
 @dataclass(frozen=True)
@@ -177,27 +178,33 @@ def serve(server: grpc.Server, opts: ServerOptions, service_full_names: list[str
 
 def _report_readiness(health_servicer, names: list[str], readiness: Callable[[], bool],
                       stopping: threading.Event) -> None:
-    """Set names SERVING or NOT_SERVING now and every HEALTH_EVERY_S from readiness(), until stopping."""
+    """Set names SERVING or NOT_SERVING from readiness(), now and every HEALTH_EVERY_S until
+    stopping. Once serving, it takes NOT_READY_AFTER failed checks in a row to say NOT_SERVING: one
+    slow answer from a busy dependency is not an outage."""
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
-    def report() -> bool:
+    def check() -> bool:
         try:
-            ready = bool(readiness())
+            return bool(readiness())
         except Exception:  # noqa: BLE001 - a failing check means not ready
             log.exception("readiness check failed")
-            ready = False
+            return False
+
+    def report(ready: bool) -> None:
         if not stopping.is_set():
             for name in names:
                 health_servicer.set(name, serving if ready else not_serving)
-        return ready
 
-    def loop() -> None:
-        was_ready = True
+    def loop(ready: bool) -> None:
+        failures = 0
         while not stopping.wait(HEALTH_EVERY_S):
-            ready = report()
-            if ready != was_ready:
-                log.warning("readiness: %s", "SERVING again" if ready else "NOT_SERVING (a dependency is down)")
-            was_ready = ready
+            failures = 0 if check() else failures + 1
+            now = failures < NOT_READY_AFTER if ready else failures == 0
+            if now != ready:
+                log.warning("readiness: %s", "SERVING again" if now else "NOT_SERVING (a dependency is down)")
+                report(now)
+            ready = now
 
-    report()
-    threading.Thread(target=loop, daemon=True, name="readiness").start()
+    ready = check()
+    report(ready)
+    threading.Thread(target=loop, args=(ready,), daemon=True, name="readiness").start()
