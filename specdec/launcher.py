@@ -28,7 +28,6 @@ from pathlib import Path
 import grpc
 
 MODULES = {"draft": "draft_service", "target": "target_service", "coordinator": "coordinator"}
-PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 def free_port() -> int:
@@ -68,30 +67,28 @@ def wait_serving(address: str, timeout_s: float, process: subprocess.Popen | Non
             time.sleep(0.2)
 
 
+# Run as `python -c _DIE_WITH_PARENT PARENT_PID CMD...`: ask the kernel to SIGTERM this process when
+# its parent dies (the setting survives exec), make sure the parent did not die already, then become
+# CMD. A wrapper rather than a preexec_fn: code between fork and exec in a multi-threaded parent (grpc
+# threads, here) can deadlock, and once did in the test suite.
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
 def spawn(cmd: list[str], **kwargs) -> subprocess.Popen:
-    """Start cmd in a process group of its own, to die with this process (see the module docstring)."""
-    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_parent_death_signal(), **kwargs)
+    """Start cmd in a process group of its own, to die with this process (see the module docstring).
 
-
-def _parent_death_signal():
-    """A preexec_fn asking the kernel to SIGTERM the child when its parent dies (Linux), or None.
-
-    The kernel sends it when the *thread* that started the child ends, so only children started
-    from the main thread get it: a helper thread that starts a service must not take it down on
-    exit. libc is looked up here, in the parent: between fork and exec the child only makes syscalls."""
-    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
-        return None
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    parent = os.getpid()
-
-    def set_death_signal() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent died before the call above
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return set_death_signal
+    The kernel sends the parent-death signal when the *thread* that started the child ends, so only
+    children started from the main thread get it: a helper thread that starts a service must not
+    take it down when it exits."""
+    if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
+        cmd = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
+    return subprocess.Popen(cmd, start_new_session=True, **kwargs)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
