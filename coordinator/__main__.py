@@ -7,15 +7,14 @@ import sys
 import threading
 
 import redis
-from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
 
 from coordinator.config import CoordinatorConfig
 from coordinator.generation import Generation, Limits
 from coordinator.ngram import NgramProposer
 from coordinator.routing import ReplicaPool, Routed, discover
 from coordinator.servicer import GenerationServicer
-from coordinator.sessions import SessionStore
+from coordinator.sessions import SessionStore, connect_redis
+from coordinator.tenancy import RequestQuota, Tenants, read_tenant_tokens
 from coordinator.text import TextCodec
 from coordinator.workers import ChannelSettings, DraftClient, TargetClient
 from specdec.v1 import generation_pb2 as pb
@@ -24,20 +23,10 @@ from specdec_core.errors import FailedPrecondition, Unavailable
 from specdec_core.admission import Lanes
 from specdec_core.logs import setup_logging
 from specdec_core.models import load_tokenizer
-from specdec_core.security import BearerTokenInterceptor, read_tokens
+from specdec_core.security import BearerTokenInterceptor
 from specdec_core.server import create_server, serve
 
 log = logging.getLogger("coordinator")
-
-
-def connect_redis(url: str, tls_ca: str = "") -> redis.Redis:
-    """A client that retries a few times with backoff, then lets the error through (UNAVAILABLE)."""
-    extra = {"ssl_ca_certs": tls_ca} if tls_ca else {}
-    return redis.Redis.from_url(
-        url, socket_timeout=5, socket_connect_timeout=2, health_check_interval=30,
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError], **extra,
-    )
 
 
 def worker_pools(cfg: CoordinatorConfig, routes: dict) -> tuple[Routed, Routed | None]:
@@ -81,20 +70,24 @@ def main(argv: list[str] | None = None) -> None:
                     target_info.vocab_size)
     limits = Limits(target_info.vocab_size, target_info.max_context, cfg.max_new_tokens, cfg.num_speculative_tokens,
                     cfg.max_concurrent_requests, cfg.overlap)
-    store = SessionStore(connect_redis(cfg.redis_url, cfg.redis_tls_ca), ttl_seconds=cfg.session_ttl_s)
-    generation = Generation(store, codec, draft, NgramProposer(), target, limits, routes)
+    store = SessionStore(connect_redis(cfg.redis_url, cfg.redis_tls, cfg.redis_retry_s), ttl_seconds=cfg.session_ttl_s,
+                         wait_replicas=cfg.redis_wait_replicas, wait_timeout_ms=cfg.redis_wait_timeout_ms,
+                         max_sessions_per_tenant=cfg.tenant_max_sessions)
+    generation = Generation(store, codec, draft, NgramProposer(), target, limits, routes,
+                            RequestQuota(cfg.tenant_max_requests))
     describe = pb.DescribeModelsResponse(
         target=target_info, draft=draft_info, tokenizer=cfg.tokenizer,
         default_num_speculative_tokens=cfg.num_speculative_tokens, default_max_new_tokens=cfg.max_new_tokens,
     )
     if draft is not None and draft_info is None:  # serve now; describe the draft once it is up
         threading.Thread(target=lambda: describe.draft.CopyFrom(draft.model_info(float("inf"))), daemon=True).start()
-    interceptors = (BearerTokenInterceptor(read_tokens(cfg.auth_tokens_file)),) if cfg.auth_tokens_file else ()
+    tokens = read_tenant_tokens(cfg.auth_tokens_file) if cfg.auth_tokens_file else {}
+    interceptors = (BearerTokenInterceptor(tokens),) if tokens else ()
     service = pb.DESCRIPTOR.services_by_name["Generation"].full_name
     lanes = Lanes(frozenset({f"/{service}/Generate", f"/{service}/GenerateStream"}), work=cfg.max_concurrent_requests)
     server = create_server(lanes, interceptors)
     workers = [w for w in (draft, target) if w is not None]
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(generation, workers, describe), server)
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(generation, workers, describe, Tenants(tokens)), server)
     serve(server, cfg.server, [service], readiness=lambda: _ready(store, target))
 
 

@@ -16,7 +16,10 @@ class CoordinatorConfig:
     target_address: str = "127.0.0.1:50052"
     draft_address: str = "127.0.0.1:50051"  # empty: no draft worker (n-gram or K = 0 only)
     redis_url: str = ""
-    redis_tls_ca: str = ""
+    redis_tls: TlsFiles = TlsFiles()  # CA for rediss://, and a client certificate if Redis wants one
+    redis_retry_s: float = 5.0
+    redis_wait_replicas: int = 0
+    redis_wait_timeout_ms: int = 1000
     tokenizer: str = "smollm2"
     num_speculative_tokens: int = 5
     max_new_tokens: int = 256
@@ -27,6 +30,8 @@ class CoordinatorConfig:
     max_concurrent_requests: int = 64
     overlap: bool = False
     auth_tokens_file: str = ""
+    tenant_max_sessions: int = 0
+    tenant_max_requests: int = 0
     worker_tls: TlsFiles = TlsFiles()
     worker_tls_server_name: str = ""
 
@@ -39,6 +44,11 @@ class CoordinatorConfig:
             raise ValueError("max_new_tokens must be >= 1")
         if self.max_concurrent_requests < 1:
             raise ValueError("max_concurrent_requests must be >= 1")
+        for name in ("redis_wait_replicas", "tenant_max_sessions", "tenant_max_requests"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.redis_wait_timeout_ms < 1:
+            raise ValueError("redis_wait_timeout_ms must be >= 1")
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> CoordinatorConfig:
@@ -51,8 +61,23 @@ class CoordinatorConfig:
         p.add_argument("--draft", default=env("SPECDEC_DRAFT_ADDRESS", cls.draft_address),
                        help="draft replicas, same forms as --target ('' for none)")
         p.add_argument("--redis-url", default=env("REDIS_URL", ""),
-                       help="redis://[:password@]host:port/db, rediss:// for TLS, or unix:///path")
+                       help="redis://[:password@]host:port/db, rediss:// for TLS, unix:///path, or "
+                            "redis+sentinel://[:password@]host:port[,host:port...]/master-name[/db] "
+                            "(rediss+sentinel:// for TLS) for a replicated Redis under Sentinel")
         p.add_argument("--redis-tls-ca", default=env("SPECDEC_REDIS_TLS_CA", ""), help="CA for rediss://")
+        p.add_argument("--redis-tls-cert", default=env("SPECDEC_REDIS_TLS_CERT", ""),
+                       help="client certificate for a Redis that requires mutual TLS")
+        p.add_argument("--redis-tls-key", default=env("SPECDEC_REDIS_TLS_KEY", ""))
+        p.add_argument("--redis-retry", type=float, default=float(env("SPECDEC_REDIS_RETRY", cls.redis_retry_s)),
+                       help="seconds to keep retrying a lost Redis connection (with Sentinel: long enough for a "
+                            "failover) before UNAVAILABLE")
+        p.add_argument("--redis-wait-replicas", type=int,
+                       default=int(env("SPECDEC_REDIS_WAIT_REPLICAS", cls.redis_wait_replicas)),
+                       help="each commit waits until this many replicas hold it (Redis WAIT) before its tokens "
+                            "go to the client, so a failover loses none of them; 0: do not wait")
+        p.add_argument("--redis-wait-timeout-ms", type=int,
+                       default=int(env("SPECDEC_REDIS_WAIT_TIMEOUT_MS", cls.redis_wait_timeout_ms)),
+                       help="how long a commit waits for its replicas before the request fails UNAVAILABLE")
         p.add_argument("--tokenizer", default=env("SPECDEC_TOKENIZER", cls.tokenizer),
                        help="model reference whose tokenizer to use (the target's)")
         p.add_argument("--num-speculative-tokens", "-k", type=int, default=cls.num_speculative_tokens,
@@ -74,7 +99,16 @@ class CoordinatorConfig:
                        help="draft the next block while the target verifies this one (default: off; it pays "
                             "when draft and target have their own cores or machines, and costs when they share)")
         p.add_argument("--auth-tokens-file", default=env("SPECDEC_AUTH_TOKENS_FILE", ""),
-                       help="require 'authorization: Bearer <token>' with a token from this file (one a line)")
+                       help="require 'authorization: Bearer <token>' with a token from this file, one "
+                            "'tenant:token' a line (a bare token belongs to the tenant 'default'); a session "
+                            "belongs to the tenant that created it")
+        p.add_argument("--tenant-max-sessions", type=int,
+                       default=int(env("SPECDEC_TENANT_MAX_SESSIONS", cls.tenant_max_sessions)),
+                       help="live sessions per tenant (0: no limit); a new one beyond it gets RESOURCE_EXHAUSTED")
+        p.add_argument("--tenant-max-requests", type=int,
+                       default=int(env("SPECDEC_TENANT_MAX_REQUESTS", cls.tenant_max_requests)),
+                       help="generations at once per tenant in this coordinator (0: no limit but "
+                            "--max-concurrent-requests)")
         p.add_argument("--worker-tls-cert", default=env("SPECDEC_WORKER_TLS_CERT", ""),
                        help="client certificate for mutual TLS to the workers")
         p.add_argument("--worker-tls-key", default=env("SPECDEC_WORKER_TLS_KEY", ""))
@@ -84,7 +118,9 @@ class CoordinatorConfig:
                        help="name to check in the workers' certificates (default: the address' host)")
         ServerOptions.add_flags(p, "SPECDEC", port=50050)
         a = p.parse_args(argv)
-        return cls(ServerOptions.from_args(a), a.target, a.draft, a.redis_url, a.redis_tls_ca, a.tokenizer,
-                   a.num_speculative_tokens, a.max_new_tokens, a.session_ttl, a.target_retry, a.draft_retry,
-                   a.startup_timeout, a.max_concurrent_requests, a.overlap, a.auth_tokens_file,
+        return cls(ServerOptions.from_args(a), a.target, a.draft, a.redis_url,
+                   TlsFiles(a.redis_tls_cert, a.redis_tls_key, a.redis_tls_ca), a.redis_retry, a.redis_wait_replicas,
+                   a.redis_wait_timeout_ms, a.tokenizer, a.num_speculative_tokens, a.max_new_tokens, a.session_ttl,
+                   a.target_retry, a.draft_retry, a.startup_timeout, a.max_concurrent_requests, a.overlap,
+                   a.auth_tokens_file, a.tenant_max_sessions, a.tenant_max_requests,
                    TlsFiles(a.worker_tls_cert, a.worker_tls_key, a.worker_tls_ca), a.worker_tls_server_name)

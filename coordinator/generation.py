@@ -3,24 +3,32 @@
 Committed tokens reach Redis before the client sees them: every round is committed (one atomic
 compare-and-set) and only then yielded. A crash anywhere loses no acknowledged output, and any
 coordinator can continue the session from Redis.
+
+A request with a `request_id` is idempotent. Its first commit (its input) also records where the
+input went; a retry with the same id finds that record and appends nothing: it replays the
+request's committed output as its first chunk and then continues from there (or ends at once, if
+the request had finished). Output is a function of the committed tokens and the seed, so a
+resumed request yields what the uninterrupted one would have.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from coordinator.adaptive import AdaptiveK
 from coordinator.loop import Proposer, Speculator, Verifier
-from coordinator.sessions import Session, SessionStats, SessionStore
+from coordinator.sessions import DEFAULT_TENANT, RequestRecord, Session, SessionStats, SessionStore
+from coordinator.tenancy import RequestQuota
 from coordinator.text import OutputText, TextCodec
 from specdec_core import metrics
-from specdec_core.errors import Cancelled, InvalidArgument, ResourceExhausted
-from specdec_core.limits import validate_session_id
+from specdec_core.errors import Cancelled, FailedPrecondition, InvalidArgument, ResourceExhausted
+from specdec_core.limits import validate_request_id, validate_session_id
 from specdec_core.logs import log_context
 from specdec_core.sampling import SamplingConfig, validate_sampling
 
@@ -67,6 +75,11 @@ class GenerationRequest:
     overlap: bool | None = None  # None: the server default
     min_draft_confidence: float = 0.0
     session_id: str = ""
+    request_id: str = ""  # makes retries idempotent; empty: none
+
+    def fingerprint(self) -> str:
+        """What a retry with the same request id must ask for again (the session is checked apart)."""
+        return hashlib.blake2b(repr(replace(self, request_id="", session_id="")).encode(), digest_size=12).hexdigest()
 
 
 @dataclass
@@ -105,8 +118,10 @@ class Limits:
 
 class Generation:
     def __init__(self, store: SessionStore, codec: TextCodec, proposer: Proposer | None, ngram: Proposer,
-                 verifier: Verifier, limits: Limits, routes: dict[str, dict[str, str]] | None = None):
+                 verifier: Verifier, limits: Limits, routes: dict[str, dict[str, str]] | None = None,
+                 quota: RequestQuota | None = None):
         self.store = store
+        self.quota = quota or RequestQuota()
         self.routes = routes if routes is not None else {}  # sessions in flight -> their replicas
         self._prefetch = ThreadPoolExecutor(max_workers=limits.max_concurrent_requests, thread_name_prefix="prefetch")
         self.codec = codec
@@ -115,39 +130,62 @@ class Generation:
         self.verifier = verifier
         self.limits = limits
 
-    def run(self, req: GenerationRequest, is_cancelled: Callable[[], bool] = lambda: False) -> Iterator[Chunk]:
+    def run(self, req: GenerationRequest, is_cancelled: Callable[[], bool] = lambda: False,
+            tenant: str = DEFAULT_TENANT) -> Iterator[Chunk]:
         """The request's chunks. How many run at once is bounded by the server's admission lane
-        (--max-concurrent-requests), which refuses the excess at once: the coordinator has no queue
-        of its own; the workers refuse a call whose deadline their queue would miss."""
+        (--max-concurrent-requests), which refuses the excess at once, and per tenant by the
+        quota: the coordinator has no queue of its own; the workers refuse a call whose deadline
+        their queue would miss."""
         self._validate(req)
-        session = self.store.load(req.session_id) if req.session_id else self.store.new(req.seed)
-        with self.store.held(session.session_id), log_context(session_id=session.session_id):
-            self.routes[session.session_id] = session.routes  # routed workers update it in place
-            try:
-                yield from self._run(req, session, is_cancelled)
-            finally:
-                self.routes.pop(session.session_id, None)
+        with self.quota.held(tenant):
+            record = self.store.request(tenant, req.request_id) if req.request_id else None
+            if record is not None and (record.fingerprint != req.fingerprint()
+                                       or req.session_id not in ("", record.session_id)):
+                raise InvalidArgument("request_id", "already used for a different request (a retry must repeat "
+                                                    "its request exactly)")
+            session_id = record.session_id if record else req.session_id
+            session = self.store.load(session_id, tenant) if session_id else self.store.new(req.seed, tenant)
+            with self.store.held(session.session_id, req.request_id), log_context(session=session.ref):
+                if record is not None:  # read again under the lease: an earlier attempt may have gone on
+                    session = self.store.load(session_id, tenant)
+                self.routes[session.session_id] = session.routes  # routed workers update it in place
+                try:
+                    yield from self._run(req, session, record, is_cancelled)
+                finally:
+                    self.routes.pop(session.session_id, None)
 
-    def _run(self, req: GenerationRequest, session: Session, is_cancelled: Callable[[], bool]) -> Iterator[Chunk]:
+    def _run(self, req: GenerationRequest, session: Session, record: RequestRecord | None,
+             is_cancelled: Callable[[], bool]) -> Iterator[Chunk]:
         started = time.perf_counter()
-        input_ids = self._input_ids(req, session)
-        room = self.limits.max_context - len(session.token_ids) - len(input_ids)
+        if record is None:
+            start, input_ids = len(session.token_ids), self._input_ids(req, session)
+        else:  # a retry: the input is in the session already
+            if not record.finish and session.request_id != record.request_id:
+                raise FailedPrecondition(f"request {record.request_id!r} was interrupted and the session has had "
+                                         "other requests since: it cannot be resumed")
+            start = record.start
+            input_ids = session.token_ids[start:start + record.input_tokens]
+        room = self.limits.max_context - start - len(input_ids)
         if room < 1:
             raise ResourceExhausted(
-                f"input: the session would hold {len(session.token_ids) + len(input_ids)} tokens, "
+                f"input: the session would hold {start + len(input_ids)} tokens, "
                 f"the model's context is {self.limits.max_context}"
             )
         if req.max_new_tokens is not None and req.max_new_tokens > room:
             raise InvalidArgument("max_new_tokens", f"{req.max_new_tokens} exceeds the {room} tokens left in the context")
         max_new = req.max_new_tokens or min(self.limits.default_max_new_tokens, room)
-        if req.seed is not None:
-            session.seed = req.seed
-        session.sampling = {"temperature": req.sampling.temperature, "top_k": req.sampling.top_k,
-                            "top_p": req.sampling.top_p}
-        if req.messages is not None:
-            session.messages += [*req.messages, {"role": "assistant", "content": ""}]
-        session.stats.requests += 1
-        self.store.commit(session, input_ids)
+        if record is None:
+            if req.seed is not None:
+                session.seed = req.seed
+            session.sampling = {"temperature": req.sampling.temperature, "top_k": req.sampling.top_k,
+                                "top_p": req.sampling.top_p}
+            if req.messages is not None:
+                session.messages += [*req.messages, {"role": "assistant", "content": ""}]
+            session.stats.requests += 1
+            session.request_id = req.request_id
+            if req.request_id:
+                record = RequestRecord(req.request_id, session.session_id, req.fingerprint(), start, len(input_ids))
+            self.store.commit(session, input_ids, record, new_request=True)
 
         proposer, k_fixed = self._drafting(req)
         adaptive = AdaptiveK(max_k=k_fixed or self.limits.default_k) if req.adaptive and proposer else None
@@ -158,7 +196,16 @@ class Generation:
         stop_ids = self.codec.eos_ids | set(req.stop_token_ids)
         out = OutputText(self.codec, req.stop)
         stats = RequestStats()
-        generated = 0
+        done = session.token_ids[start + len(input_ids):record.end if record and record.finish else None]
+        # (a retry's output so far, replayed)
+        generated = len(done)
+        if record is not None and (done or record.finish):
+            text, _ = out.add(done)
+            if record.finish:
+                yield Chunk(session.session_id, text + out.flush(), done, Finish(record.finish), len(input_ids),
+                            generated, len(session.token_ids), stats)
+                return
+            yield Chunk(session.session_id, text, done)
         while True:
             if is_cancelled():
                 raise Cancelled("the client cancelled the request")
@@ -186,10 +233,15 @@ class Generation:
             if finish is not None:
                 text += out.flush()
                 session.stats.wall_ms += stats.wall_ms
-            self.store.commit(session, new_ids)  # before the client sees them
+            ended = None
+            if record and finish:
+                ended = replace(record, finish=finish.value, end=len(session.token_ids) + len(new_ids))
+            self.store.commit(session, new_ids, ended)  # before the client sees them
             if finish is None:
                 yield Chunk(session.session_id, text, new_ids)
                 continue
+            log.info("generated %d tokens (%s) in %d rounds, %.0f ms", generated, finish.value, stats.rounds,
+                     stats.wall_ms)
             yield Chunk(session.session_id, text, new_ids, finish, len(input_ids), generated,
                         len(session.token_ids), stats)
             return
@@ -272,6 +324,8 @@ class Generation:
             raise InvalidArgument("speculation.num_speculative_tokens", f"must be in 0..{MAX_K}, got {k}")
         if req.session_id:  # empty: a new session
             validate_session_id(req.session_id)
+        if req.request_id:
+            validate_request_id(req.request_id)
 
     def _check_ids(self, name: str, ids: list[int], max_count: int) -> None:
         if len(ids) > max_count:

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 
 from specdec_core.errors import Unavailable
+from specdec_core.logs import short_id
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +236,7 @@ class ReplicaPool:
                 self.mark_down(address)
                 if time.monotonic() >= deadline or (self.fail_fast and self.all_down()):
                     raise
-                log.info("%s replica %s unavailable; session %s moves", self.role, address, session_id)
+                log.info("%s replica %s unavailable; session %s moves", self.role, address, short_id(session_id))
                 continue
             self.mark_up(address)
             return result

@@ -7,6 +7,7 @@ import time
 
 from coordinator.generation import Chunk, Finish, Generation, GenerationRequest, Method, RequestStats
 from coordinator.sessions import SessionStats
+from coordinator.tenancy import Tenants
 from coordinator.workers import request_deadline
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
@@ -50,6 +51,7 @@ def request_from_proto(msg: pb.GenerationInput) -> GenerationRequest:
         overlap=spec.overlap if spec.HasField("overlap") else None,
         min_draft_confidence=spec.min_draft_confidence,
         session_id=msg.session_id,
+        request_id=msg.request_id,
     )
 
 
@@ -76,22 +78,27 @@ def chunk_to_proto(chunk: Chunk) -> pb.GenerateStreamResponse:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, generation: Generation, workers: list, describe: pb.DescribeModelsResponse):
+    def __init__(self, generation: Generation, workers: list, describe: pb.DescribeModelsResponse,
+                 tenants: Tenants | None = None):
         self.generation = generation
         self.workers = workers  # clients with .role and .release(session_id)
         self.describe = describe
+        self.tenants = tenants or Tenants()
+
+    def _run(self, request, context):
+        _propagate_deadline(context)
+        return self.generation.run(request_from_proto(request.input), lambda: not context.is_active(),
+                                   self.tenants(context))
 
     @grpc_errors
     def GenerateStream(self, request, context):
-        _propagate_deadline(context)
-        for chunk in self.generation.run(request_from_proto(request.input), lambda: not context.is_active()):
+        for chunk in self._run(request, context):
             yield chunk_to_proto(chunk)
 
     @grpc_errors
     def Generate(self, request, context):
-        _propagate_deadline(context)
         text, ids, last = [], [], None
-        for chunk in self.generation.run(request_from_proto(request.input), lambda: not context.is_active()):
+        for chunk in self._run(request, context):
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
             last = chunk
@@ -105,7 +112,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     @grpc_errors
     def GetSession(self, request, context):
         validate_session_id(request.session_id)
-        s = self.generation.store.load(request.session_id)
+        s = self.generation.store.load(request.session_id, self.tenants(context))
         sampling = s.sampling or {}
         return pb.GetSessionResponse(
             session_id=s.session_id, token_ids=s.token_ids,
@@ -117,13 +124,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     @grpc_errors
     def EndSession(self, request, context):
         validate_session_id(request.session_id)
-        self.generation.store.load(request.session_id)  # NOT_FOUND for an unknown session
+        session = self.generation.store.load(request.session_id, self.tenants(context))  # NOT_FOUND: not theirs
         for worker in self.workers:
             try:
                 worker.release(request.session_id)
             except SpecdecError as exc:  # caches are only caches; LRU frees them eventually
                 log.warning("could not release %s cache: %s", worker.role, exc)
-        self.generation.store.delete(request.session_id)
+        self.generation.store.delete(session)
         return pb.EndSessionResponse()
 
     @grpc_errors

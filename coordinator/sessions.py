@@ -1,16 +1,31 @@
-"""Session state in Redis: committed tokens, parameters, seed and stats.
+"""Session state in Redis: committed tokens, parameters, seed, stats, owner and request records.
 
-Layout per session (both keys expire together after `ttl_seconds` of inactivity):
-- `specdec:session:{id}`      hash: `version` (int, +1 per commit), `meta` (JSON)
-- `specdec:session:{id}:ids`  list: every committed token id, prompt and output
+Layout (every key expires after `ttl_seconds` without a commit):
+- `specdec:session:{id}`          hash: `version` (+1 per commit), `meta` (JSON), `tenant` (the
+                                  owner), `commit` (the id of the last commit)
+- `specdec:session:{id}:ids`      list: every committed token id, prompt and output
+- `specdec:session:{id}:lease`    the busy lease (below)
+- `specdec:tenant:{t}:sessions`   sorted set: the tenant's sessions, scored by when they expire
+- `specdec:request:{t}:{rid}`     a request record: where a client-supplied request id's input
+                                  starts in which session, and how it finished (idempotent retries)
 
-Every commit is one Lua script: compare the version the writer read, append the new tokens,
-bump the version, rewrite meta. Two writers racing on one session cannot both win, and a reader
-never sees tokens without the version that covers them. A short lease
-(`specdec:session:{id}:lease`) marks a session busy while a request runs on it; a heartbeat keeps
-it alive, so a coordinator that crashes leaves its sessions locked for seconds only. The lease
-holds a random token, and only its holder can renew or release it (each a compare-and-act
-script): a coordinator that stalled past its lease cannot extend or drop the one another now holds.
+Every commit is one script: compare the version the writer read, append the new tokens, bump the
+version, rewrite meta, and (first commit of a request) create the request record. Two writers
+racing on one session cannot both win, and a reader never sees tokens without the version that
+covers them. A commit carries an id, so a commit that Redis applied but whose reply was lost (a
+dropped connection, a failover) is recognised when the client library retries it, not refused as a
+conflict. The first write of the script is one that Redis refuses when it is over `maxmemory`
+(RPUSH), so a full Redis refuses a commit whole: RESOURCE_EXHAUSTED, nothing written.
+
+With `wait_replicas` > 0, each commit then waits (Redis WAIT, on the same connection) until that
+many replicas hold it; fewer in time is UNAVAILABLE, and the tokens are not sent to the client.
+
+A short lease marks a session busy while a request runs on it; a heartbeat keeps it alive, so a
+coordinator that crashes leaves its sessions locked for seconds only. The lease holds a random
+token, and only its holder can renew or release it (each a compare-and-act script): a coordinator
+that stalled past its lease cannot extend or drop the one another now holds. A lease taken for a
+request id may be taken over by a retry of that same request (its first attempt is gone or will
+lose its next commit to the retry's).
 """
 
 from __future__ import annotations
@@ -23,23 +38,64 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from urllib.parse import unquote, urlsplit
 
 import redis
+import redis.sentinel
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
-from specdec_core.errors import FailedPrecondition, NotFound, Unavailable
+from specdec_core.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
+from specdec_core.logs import short_id
+from specdec_core.security import TlsFiles
 
+DEFAULT_TENANT = "default"
+
+# KEYS: meta, ids, tenant's sessions, request record.
+# ARGV: expected version, meta, ttl, commit id, tenant, max sessions, session id, request record
+# ('' for none), '1' when the record must be new, then the token ids.
+# Returns the new version; -1 another writer won; -2 the tenant's session cap; -3 the request id
+# is taken.
 _COMMIT = """
 local version = redis.call('HGET', KEYS[1], 'version')
 if version == false then version = -1 else version = tonumber(version) end
-if version ~= tonumber(ARGV[1]) then return -1 end
+local expected = tonumber(ARGV[1])
+if version ~= expected then
+  if version == expected + 1 and redis.call('HGET', KEYS[1], 'commit') == ARGV[4] then return version end
+  return -1
+end
+if ARGV[9] == '1' and redis.call('EXISTS', KEYS[4]) == 1 then return -3 end
+local now = tonumber(redis.call('TIME')[1])
+if version == -1 and tonumber(ARGV[6]) > 0 and redis.call('ZCOUNT', KEYS[3], now, '+inf') >= tonumber(ARGV[6]) then
+  return -2
+end
 local chunk = 4000
-for i = 4, #ARGV, chunk do
+for i = 10, #ARGV, chunk do
   redis.call('RPUSH', KEYS[2], unpack(ARGV, i, math.min(i + chunk - 1, #ARGV)))
 end
-redis.call('HSET', KEYS[1], 'version', version + 1, 'meta', ARGV[2])
+redis.call('HSET', KEYS[1], 'version', version + 1, 'meta', ARGV[2], 'commit', ARGV[4], 'tenant', ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('EXPIRE', KEYS[2], ARGV[3]) end
+if version == -1 then redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - 1) end
+redis.call('ZADD', KEYS[3], now + tonumber(ARGV[3]), ARGV[7])
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+if ARGV[8] ~= '' then redis.call('SET', KEYS[4], ARGV[8], 'EX', ARGV[3]) end
 return version + 1
+"""
+
+# Read a session whole (a script, not MULTI: Redis refuses every MULTI while over maxmemory).
+_LOAD = """
+return {redis.call('HGETALL', KEYS[1]), redis.call('LRANGE', KEYS[2], 0, -1)}
+"""
+
+# KEYS: lease. ARGV: new holder token, lease ms, request id prefix ('' for none).
+_ACQUIRE_LEASE = """
+local holder = redis.call('GET', KEYS[1])
+if holder == false or (ARGV[3] ~= '' and string.sub(holder, 1, #ARGV[3]) == ARGV[3]) then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
 """
 
 _RELEASE_LEASE = """
@@ -71,26 +127,54 @@ class SessionStats:
 class Session:
     session_id: str
     seed: int
+    tenant: str = DEFAULT_TENANT
     token_ids: list[int] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)  # chat history, when driven by messages
     sampling: dict = field(default_factory=dict)
     stats: SessionStats = field(default_factory=SessionStats)
     routes: dict = field(default_factory=dict)  # role -> the worker replica serving this session
+    request_id: str = ""  # of the request that last added input
     version: int = -1  # -1: not stored yet
+
+    @property
+    def ref(self) -> str:
+        """What logs and error messages call it: a digest, never the id (a bearer capability)."""
+        return short_id(self.session_id)
 
     def meta_json(self) -> str:
         return json.dumps(
             {"seed": self.seed, "messages": self.messages, "sampling": self.sampling, "stats": asdict(self.stats),
-             "routes": self.routes}
+             "routes": self.routes, "request": self.request_id}
         )
 
 
+@dataclass(frozen=True)
+class RequestRecord:
+    """Where a request's input went and how it ended: its retries resume it instead of repeating it."""
+
+    request_id: str
+    session_id: str
+    fingerprint: str  # digest of everything the request asked for: a reused id with other input is refused
+    start: int  # session tokens before the request's input
+    input_tokens: int
+    finish: str = ""  # empty while it runs
+    end: int = 0  # session tokens when it finished
+
+    def json(self) -> str:
+        return json.dumps({k: v for k, v in asdict(self).items() if k != "request_id"})
+
+
 class SessionStore:
-    def __init__(self, client: redis.Redis, ttl_seconds: int = 86400, lease_seconds: float = 10):
+    def __init__(self, client: redis.Redis, ttl_seconds: int = 86400, lease_seconds: float = 10,
+                 wait_replicas: int = 0, wait_timeout_ms: int = 1000, max_sessions_per_tenant: int = 0):
         self.redis = client
         self.ttl_seconds = ttl_seconds
         self.lease_seconds = lease_seconds
-        self._commit = client.register_script(_COMMIT)
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
+        self.max_sessions_per_tenant = max_sessions_per_tenant
+        self._load = client.register_script(_LOAD)
+        self._acquire = client.register_script(_ACQUIRE_LEASE)
         self._release = client.register_script(_RELEASE_LEASE)
         self._renew = client.register_script(_RENEW_LEASE)
 
@@ -99,55 +183,89 @@ class SessionStore:
         base = f"specdec:session:{session_id}"
         return base, f"{base}:ids", f"{base}:lease"
 
-    def new(self, seed: int | None) -> Session:
-        return Session(session_id=uuid.uuid4().hex, seed=seed if seed is not None else secrets.randbits(63))
+    @staticmethod
+    def _tenant_key(tenant: str) -> str:
+        return f"specdec:tenant:{tenant}:sessions"
 
-    def load(self, session_id: str) -> Session:
+    @staticmethod
+    def _request_key(tenant: str, request_id: str) -> str:
+        return f"specdec:request:{tenant}:{request_id}"
+
+    def new(self, seed: int | None, tenant: str = DEFAULT_TENANT) -> Session:
+        return Session(session_id=uuid.uuid4().hex, seed=seed if seed is not None else secrets.randbits(63),
+                       tenant=tenant)
+
+    def load(self, session_id: str, tenant: str = DEFAULT_TENANT) -> Session:
+        """The session, if `tenant` owns it; NOT_FOUND otherwise, the same answer as for a session
+        that does not exist (no existence oracle)."""
         meta_key, ids_key, _ = self._keys(session_id)
-        with self._errors():
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.hgetall(meta_key)
-            pipe.lrange(ids_key, 0, -1)
-            fields, ids = pipe.execute()
-        if not fields:
-            raise NotFound(f"session {session_id!r} not found (ended or expired)")
+        with _redis_errors():
+            flat, ids = self._load(keys=[meta_key, ids_key])
+        fields = dict(zip(flat[::2], flat[1::2]))
+        owner = fields.get(b"tenant", DEFAULT_TENANT.encode()).decode() if fields else None
+        if owner != tenant:
+            raise NotFound(f"session {short_id(session_id)} not found (ended, expired, or not yours)")
         meta = json.loads(fields[b"meta"])
         return Session(
             session_id=session_id,
             seed=meta["seed"],
+            tenant=owner,
             token_ids=[int(t) for t in ids],
             messages=meta["messages"],
             sampling=meta["sampling"],
             stats=SessionStats(**meta["stats"]),
             routes=meta.get("routes", {}),
+            request_id=meta.get("request", ""),
             version=int(fields[b"version"]),
         )
 
-    def commit(self, session: Session, new_ids: list[int]) -> None:
-        """Append new_ids and the session's current meta atomically, if nobody else wrote since."""
+    def request(self, tenant: str, request_id: str) -> RequestRecord | None:
+        with _redis_errors():
+            raw = self.redis.get(self._request_key(tenant, request_id))
+        return RequestRecord(request_id, **json.loads(raw)) if raw else None
+
+    def commit(self, session: Session, new_ids: list[int], request: RequestRecord | None = None,
+               new_request: bool = False) -> None:
+        """Append new_ids and the session's current meta atomically, if nobody else wrote since;
+        with `request`, write its record too (`new_request`: only if its id is not taken yet)."""
         meta_key, ids_key, _ = self._keys(session.session_id)
-        with self._errors():
-            version = self._commit(
-                keys=[meta_key, ids_key],
-                args=[session.version, session.meta_json(), self.ttl_seconds, *new_ids],
-            )
-        if version < 0:
-            raise FailedPrecondition(f"session {session.session_id!r} was changed by another request")
+        request_key = self._request_key(session.tenant, request.request_id) if request else meta_key
+        args = [session.version, session.meta_json(), self.ttl_seconds, secrets.token_hex(8), session.tenant,
+                self.max_sessions_per_tenant, session.session_id, request.json() if request else "",
+                "1" if request and new_request else "0", *new_ids]
+        with _redis_errors():
+            pipe = self.redis.pipeline(transaction=False)  # one connection: WAIT counts this commit
+            pipe.eval(_COMMIT, 4, meta_key, ids_key, self._tenant_key(session.tenant), request_key, *args)
+            if self.wait_replicas:
+                pipe.wait(self.wait_replicas, self.wait_timeout_ms)
+            version, *acked = pipe.execute()
+        if version == -1:
+            raise FailedPrecondition(f"session {session.ref} was changed by another request")
+        if version == -2:
+            raise ResourceExhausted(f"tenant {session.tenant!r} has {self.max_sessions_per_tenant} live sessions, "
+                                    "its limit: end some (EndSession) or wait for idle ones to expire")
+        if version == -3:
+            raise FailedPrecondition(f"request {request.request_id!r} is already running")
+        if acked and acked[0] < self.wait_replicas:
+            raise Unavailable(f"session store (Redis): a commit reached {acked[0]} of {self.wait_replicas} "
+                              f"replicas in {self.wait_timeout_ms} ms")
         session.version = version
         session.token_ids.extend(new_ids)
 
-    def acquire(self, session_id: str) -> str:
-        """Mark the session busy; FAILED_PRECONDITION if another request holds it."""
-        token = secrets.token_hex(8)
-        with self._errors():
-            ok = self.redis.set(self._keys(session_id)[2], token, nx=True, px=self._lease_ms)
+    def acquire(self, session_id: str, request_id: str = "") -> str:
+        """Mark the session busy; FAILED_PRECONDITION if another request holds it. A lease taken
+        for `request_id` can be taken over by a retry of the same request."""
+        prefix = f"{request_id}|" if request_id else ""
+        token = prefix + secrets.token_hex(8)
+        with _redis_errors():
+            ok = self._acquire(keys=[self._keys(session_id)[2]], args=[token, self._lease_ms, prefix])
         if not ok:
-            raise FailedPrecondition(f"session {session_id!r} is busy with another request")
+            raise FailedPrecondition(f"session {short_id(session_id)} is busy with another request")
         return token
 
     def renew(self, session_id: str, token: str) -> bool:
         """Extend the lease if `token` still holds it; False if it was lost (expired, perhaps taken)."""
-        with self._errors():
+        with _redis_errors():
             return bool(self._renew(keys=[self._keys(session_id)[2]], args=[token, self._lease_ms]))
 
     @property
@@ -155,10 +273,10 @@ class SessionStore:
         return max(1, int(self.lease_seconds * 1000))
 
     @contextmanager
-    def held(self, session_id: str) -> Iterator[None]:
+    def held(self, session_id: str, request_id: str = "") -> Iterator[None]:
         """Hold the session's lease (FAILED_PRECONDITION if busy), renewed by a heartbeat thread
         while the body runs: a round may legitimately take longer than the lease."""
-        token = self.acquire(session_id)
+        token = self.acquire(session_id, request_id)
         stop = threading.Event()
 
         def heartbeat() -> None:
@@ -167,7 +285,7 @@ class SessionStore:
                     if not self.renew(session_id, token):
                         if not stop.is_set():  # not merely released as the body ended
                             log.warning("lease on session %s lost (expired, another request may hold it); "
-                                        "no longer renewing it", session_id)
+                                        "no longer renewing it", short_id(session_id))
                         return
                 except Unavailable:
                     pass  # Redis is down; the request fails on its next commit
@@ -178,27 +296,71 @@ class SessionStore:
             yield
         finally:
             stop.set()
-            self.release(session_id, token)
+            try:
+                self.release(session_id, token)
+            except Unavailable as exc:  # the lease expires by itself; keep the body's own outcome
+                log.warning("could not release the lease on session %s: %s", short_id(session_id), exc)
 
     def release(self, session_id: str, token: str) -> None:
-        with self._errors():
+        with _redis_errors():
             self._release(keys=[self._keys(session_id)[2]], args=[token])
 
-    def delete(self, session_id: str) -> bool:
-        with self._errors():
-            return bool(self.redis.delete(*self._keys(session_id)))
+    def delete(self, session: Session) -> bool:
+        with _redis_errors():  # two commands, not MULTI (refused while Redis is full): ending must work then
+            deleted = self.redis.delete(*self._keys(session.session_id))
+            self.redis.zrem(self._tenant_key(session.tenant), session.session_id)
+        return bool(deleted)
 
-    def _errors(self):
-        return _RedisErrors()
+
+@contextmanager
+def _redis_errors():
+    """Redis unreachable -> UNAVAILABLE; Redis full (maxmemory, noeviction) -> RESOURCE_EXHAUSTED."""
+    try:
+        yield
+    except redis.OutOfMemoryError as exc:
+        raise ResourceExhausted(f"session store (Redis) is full (maxmemory): {exc}") from exc
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise Unavailable(f"session store (Redis) unavailable: {exc}") from exc
+    except redis.ReadOnlyError as exc:  # a demoted primary, before the client finds the new one
+        raise Unavailable(f"session store (Redis) is read-only (failover in progress?): {exc}") from exc
 
 
-class _RedisErrors:
-    """Redis unreachable -> UNAVAILABLE with a clear message."""
+def connect_redis(url: str, tls: TlsFiles = TlsFiles(), retry_s: float = 5.0) -> redis.Redis:
+    """A client for `url` that retries a dropped connection with backoff for about `retry_s`
+    seconds (long enough to ride out a Sentinel failover), then lets the error through (UNAVAILABLE).
 
-    def __enter__(self):
-        return self
+    url: redis://[:password@]host:port/db, rediss://... for TLS, unix:///path, or
+    redis+sentinel://[:password@]host:port[,host:port...]/master-name[/db] (rediss+sentinel:// for
+    TLS): the master that the sentinels name, found again after a failover. The password is the
+    same for the sentinels and the servers. tls: the CA that signed the servers' certificates, and
+    a client certificate and key when Redis requires mutual TLS."""
+    options = dict(socket_timeout=5, socket_connect_timeout=2, health_check_interval=30,
+                   retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), _retries(retry_s)),
+                   retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+    parts = urlsplit(url)
+    secure = parts.scheme.startswith("rediss")
+    if secure:
+        options.update({k: v for k, v in (("ssl_ca_certs", tls.ca), ("ssl_certfile", tls.cert),
+                                          ("ssl_keyfile", tls.key)) if v})
+    if not parts.scheme.endswith("+sentinel"):
+        return redis.Redis.from_url(url, **options)
+    path = [p for p in parts.path.split("/") if p]
+    if not path:
+        raise ValueError(f"{url}: a redis+sentinel:// URL names the master: .../master-name[/db]")
+    password = unquote(parts.password) if parts.password else None
+    hosts = [h.rsplit(":", 1) for h in parts.netloc.rpartition("@")[2].split(",")]
+    sentinel_options = {"password": password, "socket_timeout": 2, "socket_connect_timeout": 2}
+    if secure:
+        sentinel_options.update(ssl=True, **{k: v for k, v in options.items() if k.startswith("ssl_")})
+    sentinel = redis.sentinel.Sentinel([(h, int(p)) for h, p in hosts], sentinel_kwargs=sentinel_options,
+                                       password=password, ssl=secure, **options)
+    return sentinel.master_for(path[0], db=int(path[1]) if len(path) > 1 else 0)
 
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None and issubclass(exc_type, (redis.ConnectionError, redis.TimeoutError)):
-            raise Unavailable(f"session store (Redis) unavailable: {exc}") from exc
-        return False
+
+def _retries(budget_s: float) -> int:
+    """Retries whose backoff (0.1, 0.2, 0.4, then 0.5 s each) adds up to about budget_s."""
+    waited, retries = 0.0, 0
+    while waited < budget_s:
+        retries += 1
+        waited += min(0.5, 0.05 * 2 ** retries)
+    return max(1, retries)

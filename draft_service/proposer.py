@@ -22,6 +22,7 @@ from specdec_core import metrics
 from specdec_core.batching import BatchQueue
 from specdec_core.errors import InvalidArgument, ResourceExhausted
 from specdec_core.kvcache import CachedSequence, SessionCaches
+from specdec_core.logs import short_id
 from specdec_core.sampling import (
     Purpose,
     SamplingConfig,
@@ -117,7 +118,7 @@ class ModelProposer:
         fits = self.caches.reserve([(d.seq, len(d.task.committed_ids) + d.k - 1) for d in drafting.values()])
         for i, ok in zip(list(drafting), fits):
             if not ok:
-                results[i] = ResourceExhausted(f"draft KV cache full: no room for session {drafting[i].task.session_id!r} now")
+                results[i] = ResourceExhausted(f"draft KV cache full: no room for session {short_id(drafting[i].task.session_id)} now")
                 del drafting[i]
 
     def _step(self, d: _Drafting, logits: torch.Tensor) -> int | None:

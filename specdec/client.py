@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -47,10 +49,12 @@ def build_input(
     overlap: bool | None = None,
     min_draft_confidence: float = 0.0,
     session_id: str = "",
+    request_id: str = "",
 ) -> pb.GenerationInput:
     """prompt: text (sent raw, or as one user message with chat=True), chat messages
-    ([{"role": ..., "content": ...}]), or token ids."""
-    msg = pb.GenerationInput(session_id=session_id, stop=list(stop), stop_token_ids=list(stop_token_ids))
+    ([{"role": ..., "content": ...}]), or token ids. request_id: makes retries idempotent."""
+    msg = pb.GenerationInput(session_id=session_id, stop=list(stop), stop_token_ids=list(stop_token_ids),
+                             request_id=request_id)
     if isinstance(prompt, str):
         if chat:
             msg.messages.messages.add(role="user", content=prompt)
@@ -86,10 +90,17 @@ def stats_dict(stats: pb.SpeculationStats) -> dict:
 
 class Client:
     """address: host:port of a coordinator. credentials: e.g. `grpc.ssl_channel_credentials(ca)`
-    for a TLS endpoint (or tls_ca: a CA file path). token: sent as `authorization: Bearer <token>`."""
+    for a TLS endpoint (or tls_ca: a CA file path). token: sent as `authorization: Bearer <token>`.
+
+    Every generation carries a request id (a fresh one unless given), and a call that fails
+    UNAVAILABLE (a coordinator restarting, Redis failing over) is retried with it for up to
+    `retry_s` seconds: the server then appends nothing twice, and a stream resumes where it broke:
+    what the failed attempt already yielded is not yielded again (the server replays the
+    request's output from its start; this client skips what it has seen)."""
 
     def __init__(self, address: str = "localhost:50050", timeout_s: float | None = None,
-                 credentials: grpc.ChannelCredentials | None = None, token: str = "", tls_ca: str = ""):
+                 credentials: grpc.ChannelCredentials | None = None, token: str = "", tls_ca: str = "",
+                 retry_s: float = 30.0):
         if credentials is None and tls_ca:
             with open(tls_ca, "rb") as f:
                 credentials = grpc.ssl_channel_credentials(f.read())
@@ -99,16 +110,40 @@ class Client:
             self.channel = grpc.intercept_channel(self.channel, _BearerToken(token))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.timeout_s = timeout_s
+        self.retry_s = retry_s
 
     def generate(self, prompt: Prompt, **kwargs) -> Result:
-        r = self.stub.Generate(pb.GenerateRequest(input=build_input(prompt, **kwargs)), timeout=self.timeout_s)
+        request = pb.GenerateRequest(input=build_input(prompt, **_with_request_id(kwargs)))
+        r = _retrying(lambda: self.stub.Generate(request, timeout=self.timeout_s), self.retry_s)
         return Result(r.session_id, r.text, list(r.token_ids), FINISH_REASONS.get(r.finish_reason, "unspecified"),
                       r.usage.prompt_tokens, r.usage.completion_tokens, stats_dict(r.stats))
 
     def stream(self, prompt: Prompt, **kwargs) -> Iterator[pb.GenerateStreamResponse]:
         """Yields chunks as rounds are committed; the last carries finish_reason, usage and stats."""
-        request = pb.GenerateStreamRequest(input=build_input(prompt, **kwargs))
-        yield from self.stub.GenerateStream(request, timeout=self.timeout_s)
+        request = pb.GenerateStreamRequest(input=build_input(prompt, **_with_request_id(kwargs)))
+        seen_ids = seen_chars = 0  # what this call has yielded, over all attempts
+        deadline = time.monotonic() + self.retry_s
+        for attempt in range(1_000_000):
+            ids = chars = 0  # what this attempt has received
+            try:
+                for chunk in self.stub.GenerateStream(request, timeout=self.timeout_s):
+                    skip_ids, skip_chars = max(0, seen_ids - ids), max(0, seen_chars - chars)
+                    ids, chars = ids + len(chunk.token_ids), chars + len(chunk.text)
+                    if skip_ids or skip_chars:  # a retry replays the output from its start
+                        if ids <= seen_ids and chars <= seen_chars and not chunk.finish_reason:
+                            continue
+                        new = pb.GenerateStreamResponse()
+                        new.CopyFrom(chunk)
+                        del new.token_ids[:skip_ids]
+                        new.text = chunk.text[skip_chars:]
+                        chunk = new
+                    seen_ids, seen_chars = max(seen_ids, ids), max(seen_chars, chars)
+                    yield chunk
+                return
+            except grpc.RpcError as exc:
+                if not _retryable(exc, attempt) or time.monotonic() >= deadline:
+                    raise
+                time.sleep(_backoff(attempt))
 
     def get_session(self, session_id: str) -> pb.GetSessionResponse:
         return self.stub.GetSession(pb.GetSessionRequest(session_id=session_id), timeout=self.timeout_s)
@@ -130,6 +165,32 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _with_request_id(kwargs: dict) -> dict:
+    return kwargs if kwargs.get("request_id") else {**kwargs, "request_id": uuid.uuid4().hex}
+
+
+def _retryable(exc: grpc.RpcError, attempt: int) -> bool:
+    """UNAVAILABLE: the server or its store is (briefly) gone. FAILED_PRECONDITION on a retry: the
+    session is still held, or was just moved on, by this request's own earlier attempt."""
+    code = exc.code()
+    return code == grpc.StatusCode.UNAVAILABLE or (code == grpc.StatusCode.FAILED_PRECONDITION and attempt > 0)
+
+
+def _backoff(attempt: int) -> float:
+    return min(2.0, 0.2 * 2 ** attempt)
+
+
+def _retrying(call: Callable, retry_s: float):
+    deadline = time.monotonic() + retry_s
+    for attempt in range(1_000_000):
+        try:
+            return call()
+        except grpc.RpcError as exc:
+            if not _retryable(exc, attempt) or time.monotonic() >= deadline:
+                raise
+            time.sleep(_backoff(attempt))
 
 
 class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):

@@ -110,7 +110,8 @@ def split_cores() -> dict[str, int]:
 
 @dataclass
 class Stack:
-    """Processes of a local deployment. `args[name]` are extra flags per service."""
+    """Processes of a local deployment. `args[role]` are extra flags for every process of a role,
+    `args["role#n"]` for that replica alone."""
 
     target_model: str = "smollm2"
     draft_model: str = "smollm2"
@@ -153,7 +154,8 @@ class Stack:
                     "--tokenizer", self.target_model]
             if self.use_draft:  # draft and target have cores of their own: drafting ahead pays
                 cmd += ["--overlap"]
-        return cmd + self.args.get(role, [])  # explicit flags come last: they win
+        extra = self.args.get(role, []) + (self.args.get(name, []) if name != role else [])
+        return cmd + extra  # explicit flags come last (a replica's own last of all): they win
 
     def start(self, name: str, wait_s: float = 600.0) -> None:
         log = subprocess.DEVNULL

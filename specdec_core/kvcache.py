@@ -34,6 +34,7 @@ import torch
 
 from specdec_core import metrics
 from specdec_core.errors import FailedPrecondition, NotFound, ResourceExhausted
+from specdec_core.logs import short_id
 
 
 class CacheBackend(Protocol):
@@ -112,7 +113,7 @@ class SessionCaches:
         RESOURCE_EXHAUSTED if a new session finds no room even after evicting idle ones."""
         with self._lock:
             if session_id in self._ended:
-                raise NotFound(f"session {session_id!r} was ended")
+                raise NotFound(f"session {short_id(session_id)} was ended")
             seq = self._sequences.get(session_id)
             if seq is None:
                 if not self._make_room(self.backend.units_for(0)):
@@ -122,7 +123,7 @@ class SessionCaches:
                 self._sequences[session_id] = seq
                 self._account(seq)
             elif seq.is_in_use:
-                raise FailedPrecondition(f"session {session_id!r} is busy on this worker")
+                raise FailedPrecondition(f"session {short_id(session_id)} is busy on this worker")
             seq.is_in_use = True
         try:
             keep = min(common_prefix_len(seq.token_ids, committed_ids), len(committed_ids) - 1)

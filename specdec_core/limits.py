@@ -10,6 +10,17 @@ MAX_SESSION_ID_CHARS = 128
 _SESSION_ID = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_SESSION_ID_CHARS}}}")  # the store makes uuid4 hex ids
 
 
+MAX_REQUEST_ID_CHARS = 128
+_REQUEST_ID = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_REQUEST_ID_CHARS}}}")
+
+
+def validate_request_id(request_id: str) -> None:
+    """INVALID_ARGUMENT naming `request_id` unless it is 1..128 characters of [A-Za-z0-9._:-]."""
+    if not _REQUEST_ID.fullmatch(request_id):
+        raise InvalidArgument(
+            "request_id", f"must be 1 to {MAX_REQUEST_ID_CHARS} characters of A-Z, a-z, 0-9, '.', '_', ':' or '-'")
+
+
 def validate_session_id(session_id: str) -> None:
     """INVALID_ARGUMENT naming `session_id` unless it is 1..128 characters of [A-Za-z0-9_-]."""
     if not _SESSION_ID.fullmatch(session_id):

@@ -1,9 +1,11 @@
-"""Logging: plain text or one JSON object per line, carrying the request and session ids of the
-call being served (set with `log_context`). Prompt text is never logged at INFO or above."""
+"""Logging: plain text or one JSON object per line, carrying the request id and the session digest
+of the call being served (set with `log_context`). Prompt text is never logged at INFO or above,
+session ids never at all (`short_id`)."""
 
 from __future__ import annotations
 
 import contextvars
+import hashlib
 import json
 import logging
 import time
@@ -19,6 +21,13 @@ def log_context(**fields):
         yield
     finally:
         _context.reset(token)
+
+
+def short_id(session_id: str) -> str:
+    """A session's name in logs and error messages: a short digest. The id itself is a bearer
+    capability (whoever holds it, and is of its tenant, can read and continue the session), so it
+    is never logged."""
+    return "s:" + hashlib.blake2b(session_id.encode(), digest_size=6).hexdigest()
 
 
 class _ContextFilter(logging.Filter):

@@ -44,21 +44,23 @@ class TlsFiles:
         )
 
 
-def read_tokens(path: str) -> frozenset[str]:
-    """One token a line (a mounted Secret)."""
-    return frozenset(line.strip() for line in Path(path).read_text().splitlines() if line.strip())
+def bearer_token(metadata) -> str:
+    """The token of an `authorization: Bearer <token>` header in a call's metadata ('' if none)."""
+    header = dict(metadata or ()).get("authorization", "")
+    return header[7:] if header[:7].lower() == "bearer " else ""
 
 
 class BearerTokenInterceptor(grpc.ServerInterceptor):
-    def __init__(self, tokens: frozenset[str]):
-        self.tokens = tokens
+    """Lets in calls that carry one of `tokens` (any collection of strings, e.g. token -> tenant)."""
+
+    def __init__(self, tokens):
+        self.tokens = tuple(tokens)
 
     def intercept_service(self, continuation, details):
         method = details.method
         if method.startswith(HEALTH_PREFIX) or method.startswith(REFLECTION_PREFIX):
             return continuation(details)
-        header = dict(details.invocation_metadata or ()).get("authorization", "")
-        token = header[7:] if header[:7].lower() == "bearer " else ""
+        token = bearer_token(details.invocation_metadata)
         if token and any(hmac.compare_digest(token, t) for t in self.tokens):
             return continuation(details)
         return _deny(continuation(details))

@@ -17,6 +17,7 @@ from specdec_core import metrics
 from specdec_core.batching import BatchQueue
 from specdec_core.errors import InvalidArgument, ResourceExhausted
 from specdec_core.kvcache import CachedSequence, SessionCaches
+from specdec_core.logs import short_id
 from specdec_core.sampling import (
     Purpose,
     SamplingConfig,
@@ -100,7 +101,7 @@ class Verifier:
         for (i, _), ok in zip(leased, fits):
             if not ok:
                 results[i] = ResourceExhausted(
-                    f"target KV cache full: no room for session {tasks[i].session_id!r} now, every cached "
+                    f"target KV cache full: no room for session {short_id(tasks[i].session_id)} now, every cached "
                     f"session is in use (capacity {self.caches.capacity} units); retry")
         return [item for item, ok in zip(leased, fits) if ok]
 

@@ -67,7 +67,7 @@ class SpeculationParams(_message.Message):
     def __init__(self, method: _Optional[_Union[DraftMethod, str]] = ..., num_speculative_tokens: _Optional[int] = ..., adaptive: _Optional[bool] = ..., overlap: _Optional[bool] = ..., min_draft_confidence: _Optional[float] = ...) -> None: ...
 
 class GenerationInput(_message.Message):
-    __slots__ = ("prompt", "messages", "token_ids", "sampling", "max_new_tokens", "stop", "stop_token_ids", "speculation", "session_id")
+    __slots__ = ("prompt", "messages", "token_ids", "sampling", "max_new_tokens", "stop", "stop_token_ids", "speculation", "session_id", "request_id")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class GenerationInput(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: ChatMessages
     token_ids: TokenIds
@@ -86,7 +87,8 @@ class GenerationInput(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     speculation: SpeculationParams
     session_id: str
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    request_id: str
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("input",)

@@ -82,14 +82,15 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetSession(self, request, context):
-        """Read a session: its committed tokens, parameters and stats.
+        """Read a session: its committed tokens, parameters and stats (NOT_FOUND unless it is the caller's).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def EndSession(self, request, context):
-        """End a session: frees its worker caches and deletes its record.
+        """End a session: frees its worker caches and deletes its record (NOT_FOUND unless it is the
+        caller's).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

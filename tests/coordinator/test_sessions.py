@@ -1,17 +1,18 @@
-"""Session state in a real Redis server: atomic commits, the busy lease, expiry, errors."""
+"""Session state in a real Redis server: atomic commits, the busy lease, expiry, errors, tenants,
+request records, a full Redis and replica acknowledgement."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
-from coordinator.__main__ import connect_redis
-from coordinator.sessions import SessionStore
+from coordinator.sessions import RequestRecord, Session, SessionStore, connect_redis
 from specdec.launcher import Stack
-from specdec_core.errors import FailedPrecondition, NotFound, Unavailable
+from specdec_core.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +133,7 @@ def test_the_heartbeat_stops_once_the_lease_is_lost(store, caplog):
                 time.sleep(0.05)
             time.sleep(0.5)  # several more heartbeat periods: no further renewal attempts, no more warnings
     assert [r.getMessage() for r in caplog.records] == [
-        f"lease on session {s.session_id} lost (expired, another request may hold it); no longer renewing it"]
+        f"lease on session {s.ref} lost (expired, another request may hold it); no longer renewing it"]
     assert store.redis.get(_lease_key(s.session_id)) == b"another-holder"  # the old holder did not release it
     assert store.redis.pttl(_lease_key(s.session_id)) > 50_000
     store.redis.delete(_lease_key(s.session_id))
@@ -148,13 +149,13 @@ def test_sessions_expire_and_delete(store):
     s = store.new(seed=1)
     store.commit(s, [1])
     assert 0 < store.redis.ttl(f"specdec:session:{s.session_id}") <= 60
-    assert store.delete(s.session_id)
+    assert store.delete(s)
     with pytest.raises(NotFound):
         store.load(s.session_id)
 
 
 def test_redis_down_is_unavailable():
-    dead = SessionStore(connect_redis("redis://127.0.0.1:1/0"))
+    dead = SessionStore(connect_redis("redis://127.0.0.1:1/0", retry_s=0.5))
     with pytest.raises(Unavailable, match="Redis"):
         dead.load("x")
     with pytest.raises(Unavailable):
@@ -177,7 +178,112 @@ def test_redis_auth(tmp_path):
         good.commit(s, [1, 2])
         assert good.load(s.session_id).token_ids == [1, 2]
         with pytest.raises(Unavailable):
-            SessionStore(connect_redis(f"redis://:wrong@127.0.0.1:{port}/0")).load(s.session_id)
+            SessionStore(connect_redis(f"redis://:wrong@127.0.0.1:{port}/0", retry_s=0.5)).load(s.session_id)
     finally:
         server.terminate()
         server.wait()
+
+
+# ---- tenancy, quotas, idempotent commits, a full Redis, WAIT (issue: sessions that survive Redis faults)
+
+@pytest.mark.durability
+def test_a_session_is_found_only_by_its_tenant(store):
+    s = store.new(seed=1, tenant="alpha")
+    store.commit(s, [1, 2])
+    assert store.load(s.session_id, "alpha").token_ids == [1, 2]
+    with pytest.raises(NotFound) as other:
+        store.load(s.session_id, "beta")
+    with pytest.raises(NotFound) as missing:
+        store.load("0" * 32, "beta")
+    # the same answer as for a session that does not exist, and neither names the id
+    assert str(other.value).replace(s.ref, "X") == str(missing.value).replace(Session("0" * 32, 0).ref, "X")
+    assert s.session_id not in str(other.value)
+
+
+@pytest.mark.durability
+def test_a_tenant_holds_at_most_its_cap_of_live_sessions(store):
+    capped = SessionStore(store.redis, ttl_seconds=60, max_sessions_per_tenant=3)
+    sessions = [capped.new(seed=1, tenant="capped") for _ in range(3)]
+    for s in sessions:
+        capped.commit(s, [1])
+    extra = capped.new(seed=1, tenant="capped")
+    with pytest.raises(ResourceExhausted, match="3 live sessions"):
+        capped.commit(extra, [1])
+    assert not store.redis.exists(f"specdec:session:{extra.session_id}")  # refused whole
+    capped.commit(sessions[0], [2])  # existing sessions go on
+    capped.commit(capped.new(seed=1, tenant="other"), [1])  # other tenants are not affected
+    assert capped.delete(sessions[0])
+    capped.commit(extra, [1])  # room again
+    store.redis.zadd("specdec:tenant:capped:sessions", {sessions[1].session_id: 1})  # as if it had expired
+    capped.commit(capped.new(seed=1, tenant="capped"), [1])
+
+
+@pytest.mark.durability
+def test_a_replayed_commit_is_recognised_not_refused(store, monkeypatch):
+    """A commit that Redis applied but whose reply was lost is sent again by the connection's retry:
+    the same commit id finds its own write, and nothing is appended twice."""
+    s = store.new(seed=1)
+    store.commit(s, [1])
+    monkeypatch.setattr("coordinator.sessions.secrets.token_hex", lambda n: "same-commit-id")
+    store.commit(s, [2, 3])
+    s.version -= 1  # the writer never saw the reply ...
+    del s.token_ids[-2:]
+    store.commit(s, [2, 3])  # ... and its retry is the same commit
+    assert store.load(s.session_id).token_ids == [1, 2, 3]
+    stale = store.load(s.session_id)
+    stale.version -= 1
+    monkeypatch.setattr("coordinator.sessions.secrets.token_hex", lambda n: "another-commit-id")
+    with pytest.raises(FailedPrecondition):  # a different writer on an old version still loses
+        store.commit(stale, [9])
+
+
+@pytest.mark.durability
+def test_a_request_record_is_written_once_with_its_first_commit(store):
+    s = store.new(seed=1, tenant="alpha")
+    record = RequestRecord("req-1", s.session_id, "fp", start=0, input_tokens=2)
+    store.commit(s, [1, 2], record, new_request=True)
+    assert store.request("alpha", "req-1") == record
+    assert store.request("beta", "req-1") is None  # request ids are per tenant
+    other = store.new(seed=1, tenant="alpha")
+    with pytest.raises(FailedPrecondition, match="already running"):
+        store.commit(other, [5], RequestRecord("req-1", other.session_id, "fp", 0, 1), new_request=True)
+    assert not store.redis.exists(f"specdec:session:{other.session_id}")
+    store.commit(s, [3], replace(record, finish="length", end=3))
+    assert store.request("alpha", "req-1").finish == "length"
+
+
+@pytest.mark.durability
+def test_a_full_redis_refuses_a_commit_whole(store):
+    """maxmemory with noeviction: a commit is RESOURCE_EXHAUSTED and writes nothing, a lease cannot
+    be taken; reading, releasing and ending still work; once there is room, the session goes on."""
+    s, ending = store.new(seed=1), store.new(seed=1)
+    store.commit(s, [1, 2])
+    store.commit(ending, [1])
+    lease = store.acquire(s.session_id)
+    store.redis.config_set("maxmemory-policy", "noeviction")
+    store.redis.config_set("maxmemory", 1)  # every byte is over
+    try:
+        with pytest.raises(ResourceExhausted, match="full"):
+            store.commit(s, [3, 4])
+        with pytest.raises(ResourceExhausted):
+            store.commit(store.new(seed=1), [7])
+        with pytest.raises(ResourceExhausted):
+            store.acquire(store.new(seed=1).session_id)
+        assert store.load(s.session_id).token_ids == [1, 2] and store.load(s.session_id).version == 0
+        store.release(s.session_id, lease)
+        assert store.delete(ending)
+    finally:
+        store.redis.config_set("maxmemory", 0)
+    store.commit(s, [3, 4])
+    assert store.load(s.session_id).token_ids == [1, 2, 3, 4]
+
+
+@pytest.mark.durability
+def test_a_commit_no_replica_confirms_is_unavailable(store):
+    """WAIT for a replica that does not exist: the commit is applied on the primary but reported
+    UNAVAILABLE, so its tokens are never sent (a retry with the request id replays them)."""
+    waiting = SessionStore(store.redis, ttl_seconds=60, wait_replicas=1, wait_timeout_ms=50)
+    s = waiting.new(seed=1)
+    with pytest.raises(Unavailable, match="0 of 1 replicas"):
+        waiting.commit(s, [1])
+    assert s.version == -1 and s.token_ids == []

@@ -1,0 +1,89 @@
+"""Tenants: whom a call is from, and how much each may hold at once.
+
+A bearer token maps to a tenant (`--auth-tokens-file`, one `tenant:token` a line; a bare token
+belongs to the tenant "default"). Without tokens, a client certificate's common name names the
+tenant when the public endpoint requires mutual TLS; otherwise every call is the tenant "default",
+as in a single-tenant deployment. A session belongs to the tenant that created it: the session
+store answers NOT_FOUND to any other.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+from coordinator.sessions import DEFAULT_TENANT
+from specdec_core import metrics
+from specdec_core.errors import ResourceExhausted
+from specdec_core.security import bearer_token
+
+TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def read_tenant_tokens(path: str) -> dict[str, str]:
+    """{token: tenant} from a file of `tenant:token` lines (a bare token: tenant "default")."""
+    tokens = {}
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        tenant, _, token = line.rpartition(":")
+        tenant = tenant or DEFAULT_TENANT
+        if not TENANT_NAME.fullmatch(tenant) or not token:
+            raise ValueError(f"{path}:{number}: expected 'tenant:token' (tenant: 1-64 of A-Z a-z 0-9 . _ -) "
+                             "or a bare token")
+        tokens[token] = tenant
+    if not tokens:
+        raise ValueError(f"{path}: no tokens")
+    return tokens
+
+
+class Tenants:
+    """The tenant of an authenticated call (the bearer-token interceptor has already let it in)."""
+
+    def __init__(self, tokens: Mapping[str, str] | None = None):
+        self.tokens = dict(tokens or {})
+
+    def __call__(self, context) -> str:
+        if self.tokens:
+            token = bearer_token(context.invocation_metadata())
+            for known, tenant in self.tokens.items():
+                if hmac.compare_digest(token, known):
+                    return tenant
+            return DEFAULT_TENANT  # not reached: the interceptor refuses unknown tokens
+        names = (context.auth_context() or {}).get("x509_common_name")
+        if names:
+            name = names[0].decode(errors="replace")
+            return name if TENANT_NAME.fullmatch(name) else "cn-" + re.sub(r"[^A-Za-z0-9._-]", "_", name)[:61]
+        return DEFAULT_TENANT
+
+
+class RequestQuota:
+    """At most `limit` generations at once per tenant in this coordinator (0: no limit beyond the
+    coordinator's own --max-concurrent-requests); the excess gets RESOURCE_EXHAUSTED at once."""
+
+    def __init__(self, limit: int = 0):
+        self.limit = limit
+        self._running: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def held(self, tenant: str) -> Iterator[None]:
+        with self._lock:
+            running = self._running.get(tenant, 0)
+            if self.limit and running >= self.limit:
+                metrics.ADMISSION_REFUSED.labels("tenant").inc()
+                raise ResourceExhausted(f"tenant {tenant!r} has {running} generations running, its limit "
+                                        f"(--tenant-max-requests {self.limit}); retry later")
+            self._running[tenant] = running + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running[tenant] -= 1
+                if not self._running[tenant]:
+                    del self._running[tenant]
