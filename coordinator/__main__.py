@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
                     cfg.max_concurrent_requests, cfg.overlap)
     store = SessionStore(connect_redis(cfg.redis_url, cfg.redis_tls, cfg.redis_retry_s), ttl_seconds=cfg.session_ttl_s,
                          wait_replicas=cfg.redis_wait_replicas, wait_timeout_ms=cfg.redis_wait_timeout_ms,
-                         max_sessions_per_tenant=cfg.tenant_max_sessions)
+                         max_sessions_per_tenant=cfg.tenant_max_sessions, request_ttl_seconds=cfg.request_ttl_s)
     generation = Generation(store, codec, draft, NgramProposer(), target, limits, routes,
                             RequestQuota(cfg.tenant_max_requests))
     describe = pb.DescribeModelsResponse(

@@ -24,6 +24,7 @@ class CoordinatorConfig:
     num_speculative_tokens: int = 5
     max_new_tokens: int = 256
     session_ttl_s: int = 86400
+    request_ttl_s: int = 3600
     target_retry_s: float = 30.0
     draft_retry_s: float = 2.0
     startup_timeout_s: float = 600.0
@@ -44,6 +45,8 @@ class CoordinatorConfig:
             raise ValueError("max_new_tokens must be >= 1")
         if self.max_concurrent_requests < 1:
             raise ValueError("max_concurrent_requests must be >= 1")
+        if self.session_ttl_s < 1 or self.request_ttl_s < 1:
+            raise ValueError("session_ttl_s and request_ttl_s must be >= 1")
         for name in ("redis_wait_replicas", "tenant_max_sessions", "tenant_max_requests"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
@@ -85,6 +88,9 @@ class CoordinatorConfig:
         p.add_argument("--max-new-tokens", type=int, default=cls.max_new_tokens, help="default max_new_tokens")
         p.add_argument("--session-ttl", type=int, default=int(env("SPECDEC_SESSION_TTL", cls.session_ttl_s)),
                        help="seconds an idle session is kept in Redis")
+        p.add_argument("--request-ttl", type=int, default=int(env("SPECDEC_REQUEST_TTL", cls.request_ttl_s)),
+                       help="seconds a request id is remembered: a retry within it resumes the request instead "
+                            "of repeating it")
         p.add_argument("--target-retry", type=float, default=cls.target_retry_s,
                        help="seconds to keep retrying an unavailable target before UNAVAILABLE")
         p.add_argument("--draft-retry", type=float, default=cls.draft_retry_s,
@@ -121,6 +127,6 @@ class CoordinatorConfig:
         return cls(ServerOptions.from_args(a), a.target, a.draft, a.redis_url,
                    TlsFiles(a.redis_tls_cert, a.redis_tls_key, a.redis_tls_ca), a.redis_retry, a.redis_wait_replicas,
                    a.redis_wait_timeout_ms, a.tokenizer, a.num_speculative_tokens, a.max_new_tokens, a.session_ttl,
-                   a.target_retry, a.draft_retry, a.startup_timeout, a.max_concurrent_requests, a.overlap,
+                   a.request_ttl, a.target_retry, a.draft_retry, a.startup_timeout, a.max_concurrent_requests, a.overlap,
                    a.auth_tokens_file, a.tenant_max_sessions, a.tenant_max_requests,
                    TlsFiles(a.worker_tls_cert, a.worker_tls_key, a.worker_tls_ca), a.worker_tls_server_name)

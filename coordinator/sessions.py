@@ -1,13 +1,14 @@
 """Session state in Redis: committed tokens, parameters, seed, stats, owner and request records.
 
-Layout (every key expires after `ttl_seconds` without a commit):
+Layout (every key but request records expires after `ttl_seconds` without a commit):
 - `specdec:session:{id}`          hash: `version` (+1 per commit), `meta` (JSON), `tenant` (the
                                   owner), `commit` (the id of the last commit)
 - `specdec:session:{id}:ids`      list: every committed token id, prompt and output
 - `specdec:session:{id}:lease`    the busy lease (below)
 - `specdec:tenant:{t}:sessions`   sorted set: the tenant's sessions, scored by when they expire
 - `specdec:request:{t}:{rid}`     a request record: where a client-supplied request id's input
-                                  starts in which session, and how it finished (idempotent retries)
+                                  starts in which session, and how it finished (idempotent retries);
+                                  kept `request_ttl_seconds` (an hour: retries come within minutes)
 
 Every commit is one script: compare the version the writer read, append the new tokens, bump the
 version, rewrite meta, and (first commit of a request) create the request record. Two writers
@@ -53,7 +54,7 @@ DEFAULT_TENANT = "default"
 
 # KEYS: meta, ids, tenant's sessions, request record.
 # ARGV: expected version, meta, ttl, commit id, tenant, max sessions, session id, request record
-# ('' for none), '1' when the record must be new, then the token ids.
+# ('' for none), '1' when the record must be new, the record's ttl, then the token ids.
 # Returns the new version; -1 another writer won; -2 the tenant's session cap; -3 the request id
 # is taken.
 _COMMIT = """
@@ -70,7 +71,7 @@ if version == -1 and tonumber(ARGV[6]) > 0 and redis.call('ZCOUNT', KEYS[3], now
   return -2
 end
 local chunk = 4000
-for i = 10, #ARGV, chunk do
+for i = 11, #ARGV, chunk do
   redis.call('RPUSH', KEYS[2], unpack(ARGV, i, math.min(i + chunk - 1, #ARGV)))
 end
 redis.call('HSET', KEYS[1], 'version', version + 1, 'meta', ARGV[2], 'commit', ARGV[4], 'tenant', ARGV[5])
@@ -79,7 +80,7 @@ if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('EXPIRE', KEYS[2], ARGV[3]
 if version == -1 then redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - 1) end
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[3]), ARGV[7])
 redis.call('EXPIRE', KEYS[3], ARGV[3])
-if ARGV[8] ~= '' then redis.call('SET', KEYS[4], ARGV[8], 'EX', ARGV[3]) end
+if ARGV[8] ~= '' then redis.call('SET', KEYS[4], ARGV[8], 'EX', ARGV[10]) end
 return version + 1
 """
 
@@ -166,9 +167,11 @@ class RequestRecord:
 
 class SessionStore:
     def __init__(self, client: redis.Redis, ttl_seconds: int = 86400, lease_seconds: float = 10,
-                 wait_replicas: int = 0, wait_timeout_ms: int = 1000, max_sessions_per_tenant: int = 0):
+                 wait_replicas: int = 0, wait_timeout_ms: int = 1000, max_sessions_per_tenant: int = 0,
+                 request_ttl_seconds: int = 3600):
         self.redis = client
         self.ttl_seconds = ttl_seconds
+        self.request_ttl_seconds = request_ttl_seconds  # how long a request id can be retried
         self.lease_seconds = lease_seconds
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms
@@ -232,7 +235,7 @@ class SessionStore:
         request_key = self._request_key(session.tenant, request.request_id) if request else meta_key
         args = [session.version, session.meta_json(), self.ttl_seconds, secrets.token_hex(8), session.tenant,
                 self.max_sessions_per_tenant, session.session_id, request.json() if request else "",
-                "1" if request and new_request else "0", *new_ids]
+                "1" if request and new_request else "0", self.request_ttl_seconds, *new_ids]
         with _redis_errors():
             pipe = self.redis.pipeline(transaction=False)  # one connection: WAIT counts this commit
             pipe.eval(_COMMIT, 4, meta_key, ids_key, self._tenant_key(session.tenant), request_key, *args)

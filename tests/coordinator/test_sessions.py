@@ -243,6 +243,7 @@ def test_a_request_record_is_written_once_with_its_first_commit(store):
     record = RequestRecord("req-1", s.session_id, "fp", start=0, input_tokens=2)
     store.commit(s, [1, 2], record, new_request=True)
     assert store.request("alpha", "req-1") == record
+    assert 0 < store.redis.ttl("specdec:request:alpha:req-1") <= 3600  # kept for retries, not as long as sessions
     assert store.request("beta", "req-1") is None  # request ids are per tenant
     other = store.new(seed=1, tenant="alpha")
     with pytest.raises(FailedPrecondition, match="already running"):
