@@ -25,14 +25,16 @@ TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def read_tenant_tokens(path: str) -> dict[str, str]:
-    """{token: tenant} from a file of `tenant:token` lines (a bare token: tenant "default")."""
+    """{token: tenant} from a file of `tenant:token` lines (a bare token, without ':', belongs to
+    the tenant "default"; '#' starts a comment line)."""
     tokens = {}
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        tenant, _, token = line.rpartition(":")
-        tenant = tenant or DEFAULT_TENANT
+        tenant, colon, token = line.partition(":")  # tenants have no ':'; tokens may
+        if not colon:
+            tenant, token = DEFAULT_TENANT, line
         if not TENANT_NAME.fullmatch(tenant) or not token:
             raise ValueError(f"{path}:{number}: expected 'tenant:token' (tenant: 1-64 of A-Z a-z 0-9 . _ -) "
                              "or a bare token")

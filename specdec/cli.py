@@ -108,6 +108,8 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-backend", default="auto", choices=["auto", "transformers", "llama.cpp"])
     p.add_argument("--port", type=int, default=50050, help="coordinator port")
     p.add_argument("--log-dir", default=None, help="write each service's log here (default: a temp folder)")
+    p.add_argument("--redis-data", default="", help="keep sessions in an append-only file in this folder "
+                   "(fsync every second), so they survive a restart; default: in memory only")
 
 
 def _gen_kwargs(a: argparse.Namespace) -> dict:
@@ -181,7 +183,7 @@ def _start_stack(a: argparse.Namespace):
     _stop_on_signals()
     log_dir = Path(a.log_dir) if a.log_dir else Path(tempfile.mkdtemp(prefix="specdec-logs-"))
     stack = Stack(target_model=a.target_model, draft_model=a.draft_model, redis_url=os.environ.get("REDIS_URL", ""),
-                  log_dir=log_dir, args={"draft": ["--backend", a.draft_backend]})
+                  redis_data=a.redis_data, log_dir=log_dir, args={"draft": ["--backend", a.draft_backend]})
     stack.ports["coordinator"] = a.port
     print(f"specdec: preparing models (first run converts the GGUF once, ~1 min); logs in {log_dir}", file=sys.stderr)
     _prepare_models(a.target_model, a.draft_model, a.draft_backend)

