@@ -46,6 +46,7 @@ import redis.sentinel
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from specdec_core import metrics
 from specdec_core.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from specdec_core.logs import short_id
 from specdec_core.security import TlsFiles
@@ -245,11 +246,13 @@ class SessionStore:
         if version == -1:
             raise FailedPrecondition(f"session {session.ref} was changed by another request")
         if version == -2:
+            metrics.STORE_ERRORS.labels("tenant_cap").inc()
             raise ResourceExhausted(f"tenant {session.tenant!r} has {self.max_sessions_per_tenant} live sessions, "
                                     "its limit: end some (EndSession) or wait for idle ones to expire")
         if version == -3:
             raise FailedPrecondition(f"request {request.request_id!r} is already running")
         if acked and acked[0] < self.wait_replicas:
+            metrics.STORE_ERRORS.labels("replicas").inc()
             raise Unavailable(f"session store (Redis): a commit reached {acked[0]} of {self.wait_replicas} "
                               f"replicas in {self.wait_timeout_ms} ms")
         session.version = version
@@ -321,10 +324,13 @@ def _redis_errors():
     try:
         yield
     except redis.OutOfMemoryError as exc:
+        metrics.STORE_ERRORS.labels("full").inc()
         raise ResourceExhausted(f"session store (Redis) is full (maxmemory): {exc}") from exc
     except (redis.ConnectionError, redis.TimeoutError) as exc:
+        metrics.STORE_ERRORS.labels("unavailable").inc()
         raise Unavailable(f"session store (Redis) unavailable: {exc}") from exc
     except redis.ReadOnlyError as exc:  # a demoted primary, before the client finds the new one
+        metrics.STORE_ERRORS.labels("unavailable").inc()
         raise Unavailable(f"session store (Redis) is read-only (failover in progress?): {exc}") from exc
 
 

@@ -31,6 +31,9 @@ CACHE_FREE_UNITS = Gauge("specdec_cache_free_units", "free KV capacity (paged bl
                          ["role"])
 ADMISSION_REFUSED = Counter("specdec_admission_refused_total", "calls refused at once because a lane was full",
                             ["lane"])
+STORE_ERRORS = Counter("specdec_session_store_errors_total",
+                       "session store (Redis) calls that failed: unavailable, full (maxmemory), replicas (WAIT "
+                       "short), tenant_cap", ["reason"])
 CACHE_EVICTIONS = Counter("specdec_cache_evictions_total", "sessions evicted from worker KV caches", ["role"])
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from coordinator.sessions import RequestRecord, Session, SessionStore, connect_redis
 from specdec.launcher import Stack
+from specdec_core import metrics
 from specdec_core.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 
 
@@ -261,6 +262,8 @@ def test_a_full_redis_refuses_a_commit_whole(store):
     store.commit(s, [1, 2])
     store.commit(ending, [1])
     lease = store.acquire(s.session_id)
+    full = metrics.STORE_ERRORS.labels("full")
+    before = full._value.get()
     store.redis.config_set("maxmemory-policy", "noeviction")
     store.redis.config_set("maxmemory", 1)  # every byte is over
     try:
@@ -271,6 +274,7 @@ def test_a_full_redis_refuses_a_commit_whole(store):
         with pytest.raises(ResourceExhausted):
             store.acquire(store.new(seed=1).session_id)
         assert store.load(s.session_id).token_ids == [1, 2] and store.load(s.session_id).version == 0
+        assert full._value.get() == before + 3  # counted for the operator's alert
         store.release(s.session_id, lease)
         assert store.delete(ending)
     finally:
