@@ -330,7 +330,7 @@ def test_sentinel_failover_mid_stream_loses_and_repeats_nothing(stack, tmp_path_
     """Every commit waits for both replicas (WAIT 2), so whichever one Sentinel promotes holds every
     token a client saw. (WAIT 1 with two replicas survives a replica's loss too, but then relies on
     Sentinel promoting the more advanced replica, its usual but not certain choice.)"""
-    cluster = SentinelCluster(tmp_path_factory.mktemp("sentinel"), replicas=2, sentinels=3)
+    cluster = SentinelCluster(tmp_path_factory.mktemp("sentinel"), replicas=2, sentinels=3, down_after_ms=2000)
     cluster.start()
     try:
         stack.args["coordinator#sentinel"] = ["--redis-url", cluster.url, "--redis-wait-replicas", "2",
@@ -346,7 +346,9 @@ def test_sentinel_failover_mid_stream_loses_and_repeats_nothing(stack, tmp_path_
             last = drain(stream, received)
             assert last.finish_reason == pb.FINISH_REASON_LENGTH
             assert received == reference  # 0 acknowledged tokens lost, 0 duplicated
-            primary = redis.Redis(host=new[0], port=new[1])
+            assert new != old
+            host, port = cluster.master_address()  # now (Sentinel may have moved it again since)
+            primary = redis.Redis(host=host, port=port)
             assert primary.role()[0] == b"master"
             assert committed(primary, session_id) == PROMPT + reference
     finally:

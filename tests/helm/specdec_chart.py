@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,8 +85,38 @@ VALUE_SETS: dict[str, dict] = {
                      "image": {"repository": "registry.example.com/specdec-load", "tag": "1.2"}},
         "tls": {"enabled": True, "internal": {"existingSecret": "mesh-cert"}},
     },
+    # The strongest durability of one Redis: every write on disk before Redis answers, a big volume
+    # on a named class, more memory; tenants with limits of their own.
+    "durable": {
+        "redis": {"bundled": {"appendfsync": "always", "maxmemory": "3gb",
+                              "persistence": {"size": "10Gi", "storageClass": "fast-ssd"},
+                              "resources": {"requests": {"cpu": "500m", "memory": "1Gi"},
+                                            "limits": {"memory": "4Gi"}}},
+                  "auth": {"existingSecret": "redis-auth"}},
+        "auth": {"existingSecret": "api-tokens"},
+        "coordinator": {"tenantMaxSessions": 500, "tenantMaxRequests": 8},
+    },
+    # Redis with Sentinel failover (3 pods), a password, and two coordinators.
+    "high-availability": {
+        "redis": {"mode": "sentinel", "auth": {"existingSecret": "redis-auth"}},
+        "coordinator": {"replicas": 2},
+    },
+    # Your own Sentinels, over TLS with their own CA.
+    "external-sentinel": {
+        "redis": {"mode": "external",
+                  "external": {"db": 3, "tls": True, "tlsCA": {"existingSecret": "redis-ca"},
+                               "sentinel": {"hosts": ["sentinel-0.data.svc:26379", "sentinel-1.data.svc:26379",
+                                                      "sentinel-2.data.svc:26379"],
+                                            "masterName": "sessions"}},
+                  "auth": {"existingSecret": "redis-auth", "existingSecretPasswordKey": "password"}},
+    },
     **{f"example:{p.stem}": yaml.safe_load(p.read_text()) for p in EXAMPLES},
 }
+
+# The sets of the issue "Sessions that survive Redis faults": their tests carry the durability marker.
+DURABILITY_SETS = ("durable", "high-availability", "external-sentinel")
+SET_NAMES = [pytest.param(name, marks=pytest.mark.durability) if name in DURABILITY_SETS else name
+             for name in VALUE_SETS]
 
 
 class Release:
@@ -127,6 +158,11 @@ class Release:
 
     def container(self, component: str) -> dict:
         return self.pod_spec(component)["containers"][0]
+
+    def pod_ports(self, component: str) -> dict[str, int]:
+        """{name: port} of every container of the component's pods."""
+        return {p["name"]: p["containerPort"] for c in self.pod_spec(component)["containers"]
+                for p in c.get("ports", [])}
 
     def components(self) -> list[str]:
         """The specdec server components this release runs."""
@@ -180,3 +216,16 @@ def server_tls(values: dict, component: str) -> bool:
     tls = values["tls"]
     part = tls["public"] if component == "coordinator" else tls["internal"]
     return bool(tls["enabled"] and part["existingSecret"])
+
+
+def split_redis_url(url: str) -> tuple[str, str | None, list[tuple[str, int]], list[str]]:
+    """(scheme, password, [(host, port)], path parts) of a redis://, rediss:// or
+    redis+sentinel://[:password@]host:port,host:port/master/db URL (urlsplit cannot take the list)."""
+    scheme, _, rest = url.partition("://")
+    netloc, _, path = rest.partition("/")
+    password = None
+    if "@" in netloc:
+        userinfo, netloc = netloc.rsplit("@", 1)
+        password = userinfo.partition(":")[2]
+    hosts = [(host, int(port)) for host, _, port in (h.rpartition(":") for h in netloc.split(","))]
+    return scheme, password, hosts, path.split("/")

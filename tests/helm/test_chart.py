@@ -8,20 +8,18 @@ locust load test are checked in test_chart_security.py."""
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
-
 import pytest
 
 import helm_python as helm
 import kubernetes_validate
-from specdec_chart import (CHART, CRD_KINDS, KUBE_VERSIONS, NAMESPACE, RELEASE, SPECDEC, VALUE_SETS, Release,
-                           component_of, env_of, flags_of, gpu_requested, matches, port_named, server_tls,
-                           service_for)
+from specdec_chart import (CHART, CRD_KINDS, KUBE_VERSIONS, NAMESPACE, RELEASE, SET_NAMES, SPECDEC, VALUE_SETS,
+                           Release, component_of, env_of, flags_of, gpu_requested, matches, port_named, server_tls,
+                           service_for, split_redis_url)
 
 pytestmark = pytest.mark.helm
 
 
-@pytest.mark.parametrize("name", VALUE_SETS)
+@pytest.mark.parametrize("name", SET_NAMES)
 def test_lint_strict_is_clean(name):
     report = helm.lint(CHART, VALUE_SETS[name], strict=True, namespace=NAMESPACE, kube_version="v1.25.0")
     problems = [m for m in report["messages"] if m["severity"] >= 2]  # 1 is info ("icon is recommended")
@@ -29,7 +27,7 @@ def test_lint_strict_is_clean(name):
 
 
 @pytest.mark.parametrize("version", KUBE_VERSIONS)
-@pytest.mark.parametrize("name", VALUE_SETS)
+@pytest.mark.parametrize("name", SET_NAMES)
 def test_objects_valid_against_kubernetes_schemas(releases, name, version):
     errors = []
     for obj in releases[name].objects:
@@ -43,7 +41,7 @@ def test_objects_valid_against_kubernetes_schemas(releases, name, version):
     assert not errors, "\n".join(errors)
 
 
-@pytest.mark.parametrize("name", VALUE_SETS)
+@pytest.mark.parametrize("name", SET_NAMES)
 def test_target_gpus_and_ranks_follow_tensor_parallel_size(releases, name):
     release = releases[name]
     target = release.values["target"]
@@ -67,7 +65,7 @@ def test_target_gpus_and_ranks_follow_tensor_parallel_size(releases, name):
     assert [v["emptyDir"]["medium"] for v in pod["volumes"] if v["name"] in shm] == ["Memory"]
 
 
-@pytest.mark.parametrize("name", VALUE_SETS)
+@pytest.mark.parametrize("name", SET_NAMES)
 def test_every_container_has_probes(releases, name):
     release = releases[name]
     for workload in release.workloads():
@@ -90,7 +88,7 @@ def test_every_container_has_probes(releases, name):
             assert startup["failureThreshold"] * startup["periodSeconds"] >= 600, "model loading is slow"
 
 
-@pytest.mark.parametrize("name", VALUE_SETS)
+@pytest.mark.parametrize("name", SET_NAMES)
 def test_no_service_links_in_the_environment(releases, name):
     # A Service named specdec-coordinator would otherwise set SPECDEC_COORDINATOR_PORT=tcp://... in
     # every pod, next to the SPECDEC_* settings the services read.
@@ -98,14 +96,15 @@ def test_no_service_links_in_the_environment(releases, name):
         assert spec["enableServiceLinks"] is False, component
 
 
-@pytest.mark.parametrize("name", VALUE_SETS)
+@pytest.mark.parametrize("name", SET_NAMES)
 def test_network_policies_guard_the_right_pods(releases, name):
     release = releases[name]
     policies = release.of_kind("NetworkPolicy")
     guarded = {component_of(p) for p in policies}
     expected = {"coordinator", "target"}
     expected |= {"draft"} if release.values["draft"]["enabled"] else set()
-    expected |= {"redis"} if release.values["redis"]["mode"] == "bundled" else set()
+    redis_mode = release.values["redis"]["mode"]
+    expected |= {"redis"} if redis_mode != "external" else set()
     expected |= {"loadtest-master", "loadtest-worker"} if release.values["loadtest"]["enabled"] else set()
     assert guarded == expected
     pods = release.pods()
@@ -115,9 +114,13 @@ def test_network_policies_guard_the_right_pods(releases, name):
         assert selected == [component], f"{policy['metadata']['name']} selects {selected}"
         if component.startswith("loadtest"):
             continue  # see test_chart_security.py
-        port = port_named(release.container(component), "grpc" if component != "redis" else "redis")
+        if component == "redis":  # replication and the Sentinels' gossip run between the Redis pods
+            ports = [release.pod_ports("redis")[n] for n in ("redis", "sentinel")[:1 + (redis_mode == "sentinel")]]
+            peers = {"coordinator", "redis"} if redis_mode == "sentinel" else {"coordinator"}
+        else:
+            ports, peers = [port_named(release.container(component), "grpc")], {"coordinator"}
         rule = policy["spec"]["ingress"][0]
-        assert rule["ports"] == [{"port": port, "protocol": "TCP"}]
+        assert rule["ports"] == [{"port": port, "protocol": "TCP"} for port in ports]
         if component == "coordinator":
             allowed = release.values["networkPolicy"]["coordinator"]["from"]
             if not allowed:
@@ -126,12 +129,14 @@ def test_network_policies_guard_the_right_pods(releases, name):
                 peers = [p["podSelector"]["matchLabels"] for p in rule["from"] if "podSelector" in p]
                 assert any(matches(s, labels) for s in peers for c, labels, _ in pods if c == "test")
             continue
+        reached = set()
         for peer in rule["from"]:
-            reached = {c for c, labels, _ in pods if matches(peer["podSelector"]["matchLabels"], labels)}
-            assert set(peer) == {"podSelector"} and reached == {"coordinator"}
+            assert set(peer) == {"podSelector"}
+            reached |= {c for c, labels, _ in pods if matches(peer["podSelector"]["matchLabels"], labels)}
+        assert reached == peers, f"{component} is reached from {reached}"
 
 
-@pytest.mark.parametrize("name", VALUE_SETS)
+@pytest.mark.parametrize("name", SET_NAMES)
 def test_coordinator_points_at_the_rendered_services(releases, name):
     release = releases[name]
     env = env_of(release.container("coordinator"))
@@ -148,32 +153,46 @@ def test_coordinator_points_at_the_rendered_services(releases, name):
                                                  or release.values["target"]["model"])
 
     redis = release.values["redis"]
-    url = urlsplit(env["REDIS_URL"]["value"])
+    scheme, password, hosts, path = split_redis_url(env["REDIS_URL"]["value"])
     names = list(env)
     if redis["auth"]["existingSecret"]:
-        assert url.password == "$(REDIS_PASSWORD)" and names.index("REDIS_PASSWORD") < names.index("REDIS_URL")
+        assert password == "$(REDIS_PASSWORD)" and names.index("REDIS_PASSWORD") < names.index("REDIS_URL")
         assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
             "name": redis["auth"]["existingSecret"], "key": redis["auth"]["existingSecretPasswordKey"]}
     else:
-        assert url.password is None and "REDIS_PASSWORD" not in env
+        assert password is None and "REDIS_PASSWORD" not in env
     if redis["mode"] == "external":
         ext = redis["external"]
-        assert (url.scheme, url.hostname, url.port, url.path) == (
-            "rediss" if ext["tls"] else "redis", ext["host"], ext["port"], f"/{ext['db']}")
+        tls = "rediss" if ext["tls"] else "redis"
+        if ext["sentinel"]["hosts"]:
+            assert (scheme, path) == (f"{tls}+sentinel", [ext["sentinel"]["masterName"], str(ext["db"])])
+            assert [f"{host}:{port}" for host, port in hosts] == ext["sentinel"]["hosts"]
+        else:
+            assert (scheme, hosts, path) == (tls, [(ext["host"], ext["port"])], [str(ext["db"])])
         assert all(component_of(o) != "redis" for o in release.objects), "no bundled Redis with an external one"
+    elif redis["mode"] == "sentinel":
+        # Every Sentinel, by its pod's stable DNS name under the headless Service.
+        statefulset = release.workload("redis")
+        assert (scheme, path) == ("redis+sentinel", [redis["sentinel"]["masterName"], "0"])
+        assert len(hosts) == statefulset["spec"]["replicas"] == redis["sentinel"]["replicas"]
+        for ordinal, (host, port) in enumerate(hosts):
+            assert host == (f"{statefulset['metadata']['name']}-{ordinal}.{statefulset['spec']['serviceName']}"
+                            f".{NAMESPACE}.svc")
+            service = service_for(release, statefulset["spec"]["serviceName"], port)
+            assert service["spec"]["clusterIP"] == "None" and port == release.pod_ports("redis")["sentinel"]
+            assert matches(service["spec"]["selector"], release.pod_labels("redis"))
     else:
-        service = service_for(release, url.hostname, url.port)
-        assert url.scheme == "redis" and matches(service["spec"]["selector"], release.pod_labels("redis"))
+        ((host, port),) = hosts
+        service = service_for(release, host, port)
+        assert scheme == "redis" and matches(service["spec"]["selector"], release.pod_labels("redis"))
 
 
-@pytest.mark.parametrize("name", VALUE_SETS)
+@pytest.mark.parametrize("name", SET_NAMES)
 def test_services_reach_named_container_ports(releases, name):
     release = releases[name]
     for service in release.of_kind("Service"):
         component = component_of(service)
-        container = release.container(component)
-        port_names = {p["name"] for p in container["ports"]}
-        assert {p["targetPort"] for p in service["spec"]["ports"]} <= port_names
+        assert {p["targetPort"] for p in service["spec"]["ports"]} <= set(release.pod_ports(component))
 
 
 def test_models_from_a_volume_are_mounted_read_only(releases):
@@ -234,7 +253,7 @@ def test_service_monitor_scrapes_the_metrics_ports(releases):
     assert not releases["defaults"].of_kind("ServiceMonitor")
 
 
-@pytest.mark.parametrize("name", VALUE_SETS)
+@pytest.mark.parametrize("name", SET_NAMES)
 def test_helm_test_hook_sends_a_generate_to_the_coordinator(releases, name):
     release = releases[name]
     (pod,) = release.of_kind("Pod")

@@ -25,8 +25,8 @@ from pathlib import PurePosixPath
 import pytest
 
 import helm_python as helm
-from specdec_chart import (CHART, NAMESPACE, RELEASE, ROOT, SPECDEC, VALUE_SETS, Release, component_of, env_of,
-                           flags_of, matches, port_named, server_tls, service_for)
+from specdec_chart import (CHART, NAMESPACE, RELEASE, ROOT, SET_NAMES, SPECDEC, VALUE_SETS, Release, component_of,
+                           env_of, flags_of, matches, port_named, server_tls, service_for)
 
 pytestmark = pytest.mark.helm
 
@@ -93,7 +93,7 @@ def expected_secret_flags(values: dict, component: str) -> dict[str, tuple[str, 
     return want
 
 
-@pytest.mark.parametrize("name", VALUE_SETS)
+@pytest.mark.parametrize("name", SET_NAMES)
 def test_secret_file_flags_point_at_mounted_secret_files(releases, name):
     release = releases[name]
     for component in release.components():
@@ -112,7 +112,7 @@ def test_secret_file_flags_point_at_mounted_secret_files(releases, name):
                 assert volume["secret"]["defaultMode"] == 0o440
 
 
-@pytest.mark.parametrize("name", VALUE_SETS)
+@pytest.mark.parametrize("name", SET_NAMES)
 def test_tls_and_health_port_wiring(releases, name):
     release = releases[name]
     values = release.values
@@ -158,7 +158,7 @@ def test_tls_auth_release_wires_everything(releases):
     assert internal_only.container("coordinator")["startupProbe"]["grpc"]["port"] == internal_only.values["health"]["port"]
 
 
-@pytest.mark.parametrize("name", VALUE_SETS)
+@pytest.mark.parametrize("name", SET_NAMES)
 def test_server_flags_metrics_and_logging(releases, name):
     release = releases[name]
     values = release.values
@@ -184,9 +184,11 @@ def test_server_flags_metrics_and_logging(releases, name):
     coordinator = flags_of(release.container("coordinator")["args"])
     assert coordinator["max-concurrent-requests"] == str(values["coordinator"]["maxConcurrentRequests"])
     assert coordinator["session-ttl"] == str(values["coordinator"]["sessionTtlSeconds"])
+    assert coordinator["tenant-max-sessions"] == str(values["coordinator"]["tenantMaxSessions"])
+    assert coordinator["tenant-max-requests"] == str(values["coordinator"]["tenantMaxRequests"])
 
 
-@pytest.mark.parametrize("name", VALUE_SETS)
+@pytest.mark.parametrize("name", SET_NAMES)
 def test_metrics_reachable_from_the_monitoring_peers_only(releases, name):
     release = releases[name]
     values = release.values
@@ -205,7 +207,7 @@ def test_metrics_reachable_from_the_monitoring_peers_only(releases, name):
             "the kubelet probes the health port; nothing else should reach it"
 
 
-@pytest.mark.parametrize("name", VALUE_SETS)
+@pytest.mark.parametrize("name", SET_NAMES)
 def test_service_monitor_follows_metrics(releases, name):
     release = releases[name]
     monitors = release.of_kind("ServiceMonitor")
@@ -221,7 +223,7 @@ def test_service_monitor_follows_metrics(releases, name):
     assert all("metrics" in {p["name"] for p in s["spec"]["ports"]} for s in scraped)
 
 
-@pytest.mark.parametrize("name", VALUE_SETS)
+@pytest.mark.parametrize("name", SET_NAMES)
 def test_termination_grace_outlasts_prestop_and_drain(releases, name):
     release = releases[name]
     values = release.values

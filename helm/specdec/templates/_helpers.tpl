@@ -77,16 +77,59 @@ tag is used as is; otherwise the global tag (default: appVersion), plus the CUDA
 {{- printf "%s:%d" (include "specdec.componentName" (dict "ctx" . "component" "coordinator")) (int .Values.coordinator.port) }}
 {{- end }}
 
-{{/* redis://[:$(REDIS_PASSWORD)@]host:port/db; $(REDIS_PASSWORD) is expanded by the kubelet from
-the env var defined just before REDIS_URL. */}}
+{{/* The coordinator's --redis-url: redis://[:$(REDIS_PASSWORD)@]host:port/db, or with Sentinel
+redis+sentinel://[:$(REDIS_PASSWORD)@]host:port,host:port,.../master-name/db (rediss for TLS).
+$(REDIS_PASSWORD) is expanded by the kubelet from the env var defined just before REDIS_URL. */}}
 {{- define "specdec.redisUrl" -}}
 {{- $r := .Values.redis }}
 {{- $auth := ternary ":$(REDIS_PASSWORD)@" "" (ne $r.auth.existingSecret "") }}
-{{- if eq $r.mode "external" }}
-{{- printf "%s://%s%s:%d/%d" (ternary "rediss" "redis" $r.external.tls) $auth $r.external.host (int $r.external.port) (int $r.external.db) }}
+{{- $scheme := ternary "rediss" "redis" (and (eq $r.mode "external") $r.external.tls) }}
+{{- if eq $r.mode "sentinel" }}
+{{- $hosts := list }}
+{{- range (include "specdec.redisPodAddresses" . | splitList " ") }}
+{{- $hosts = append $hosts (printf "%s:%d" . (int $r.sentinel.port)) }}
+{{- end }}
+{{- printf "%s+sentinel://%s%s/%s/0" $scheme $auth (join "," $hosts) $r.sentinel.masterName }}
+{{- else if and (eq $r.mode "external") $r.external.sentinel.hosts }}
+{{- printf "%s+sentinel://%s%s/%s/%d" $scheme $auth (join "," $r.external.sentinel.hosts) $r.external.sentinel.masterName (int $r.external.db) }}
+{{- else if eq $r.mode "external" }}
+{{- printf "%s://%s%s:%d/%d" $scheme $auth $r.external.host (int $r.external.port) (int $r.external.db) }}
 {{- else }}
 {{- printf "redis://%s%s:%d/0" $auth (include "specdec.componentName" (dict "ctx" . "component" "redis")) (int $r.bundled.port) }}
 {{- end }}
+{{- end }}
+
+{{/* "true" when the coordinator talks to Redis through Sentinels, else empty. */}}
+{{- define "specdec.redisSentinel" -}}
+{{- $r := .Values.redis }}
+{{- if or (eq $r.mode "sentinel") (and (eq $r.mode "external") $r.external.sentinel.hosts) }}true{{ end }}
+{{- end }}
+
+{{/* The Redis pods of mode sentinel, space-separated, the first pod first: <pod>.<headless
+Service>.<namespace>.svc, names that outlive the pods' IPs. */}}
+{{- define "specdec.redisPodAddresses" -}}
+{{- $name := include "specdec.componentName" (dict "ctx" . "component" "redis") }}
+{{- $addresses := list }}
+{{- range $i := until (int .Values.redis.sentinel.replicas) }}
+{{- $addresses = append $addresses (printf "%s-%d.%s.%s.svc" $name $i $name $.Release.Namespace) }}
+{{- end }}
+{{- join " " $addresses }}
+{{- end }}
+
+{{/* --redis-wait-replicas: coordinator.redisWaitReplicas, or when null 1 with Sentinel, else 0. */}}
+{{- define "specdec.redisWaitReplicas" -}}
+{{- $n := .Values.coordinator.redisWaitReplicas }}
+{{- if kindIs "invalid" $n }}{{ ternary 1 0 (eq (include "specdec.redisSentinel" .) "true") }}{{ else }}{{ int $n }}{{ end }}
+{{- end }}
+
+{{/* Bytes in a Redis memory size (800mb, 1gb, 1000000) or a Kubernetes quantity (1Gi, 800M);
+empty when it is neither. (dict "value" "1Gi") */}}
+{{- define "specdec.bytes" -}}
+{{- $units := dict "" 1 "b" 1 "k" 1000 "kb" 1024 "m" 1000000 "mb" 1048576 "g" 1000000000 "gb" 1073741824 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "K" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 }}
+{{- $value := toString .value }}
+{{- $number := regexFind "^[0-9]+" $value }}
+{{- $unit := trimPrefix $number $value }}
+{{- if and $number (hasKey $units $unit) }}{{ mul (int64 $number) (get $units $unit) }}{{ end }}
 {{- end }}
 
 {{/* Env every specdec container gets: caches, log level, HF token. */}}
@@ -262,6 +305,7 @@ topologySpreadConstraints:
 {{- fail "loadtest.enabled: the locust user sends no bearer token, the coordinator requires one (auth.existingSecret); turn one off" }}
 {{- end }}
 {{- end }}
+{{- include "specdec.validateRedis" . }}
 {{- range $component := list "coordinator" "draft" "target" }}
 {{- $v := index $.Values $component }}
 {{- $ports := list (int $v.port) }}
@@ -278,6 +322,39 @@ topologySpreadConstraints:
 {{- if le (float64 $v.terminationGracePeriodSeconds) $floor }}
 {{- fail (printf "%s.terminationGracePeriodSeconds (%v) must exceed shutdown.preStopSleepSeconds + %s.drainSeconds (%v), or in-flight calls are killed; leave it null to derive it" $component $v.terminationGracePeriodSeconds $component $floor) }}
 {{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Redis settings the schema cannot check. */}}
+{{- define "specdec.validateRedis" -}}
+{{- $r := .Values.redis }}
+{{- $wait := int (include "specdec.redisWaitReplicas" .) }}
+{{- if ne $r.mode "external" }}
+{{- $b := $r.bundled }}
+{{- $limit := dig "limits" "memory" "" ($b.resources | default dict) }}
+{{- if $limit }}
+{{- $max := include "specdec.bytes" (dict "value" $b.maxmemory) }}
+{{- $limitBytes := include "specdec.bytes" (dict "value" $limit) }}
+{{- if and $max $limitBytes (ge (int64 $max) (int64 $limitBytes)) }}
+{{- fail (printf "redis.bundled.maxmemory (%s) must be below redis.bundled.resources.limits.memory (%s), or the kernel kills Redis before it refuses writes; about 80%% of it leaves room for rewrites and buffers" $b.maxmemory (toString $limit)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if eq $r.mode "bundled" }}
+{{- if gt $wait 0 }}
+{{- fail (printf "coordinator.redisWaitReplicas (%d) needs Redis replicas: the bundled Redis (redis.mode bundled) has none; use redis.mode sentinel" $wait) }}
+{{- end }}
+{{- else if eq $r.mode "sentinel" }}
+{{- $s := $r.sentinel }}
+{{- if not $r.bundled.appendonly }}
+{{- fail "redis.mode sentinel needs redis.bundled.appendonly: a master that restarted empty before the Sentinels noticed would empty its replicas too" }}
+{{- end }}
+{{- if gt (int $s.quorum) (int $s.replicas) }}
+{{- fail (printf "redis.sentinel.quorum (%d) must not exceed redis.sentinel.replicas (%d)" (int $s.quorum) (int $s.replicas)) }}
+{{- end }}
+{{- if ge $wait (int $s.replicas) }}
+{{- fail (printf "coordinator.redisWaitReplicas (%d) must be below redis.sentinel.replicas (%d): the master is one of them" $wait (int $s.replicas)) }}
 {{- end }}
 {{- end }}
 {{- end }}
