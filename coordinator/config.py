@@ -124,9 +124,16 @@ class CoordinatorConfig:
                        help="name to check in the workers' certificates (default: the address' host)")
         ServerOptions.add_flags(p, "SPECDEC", port=50050)
         a = p.parse_args(argv)
-        return cls(ServerOptions.from_args(a), a.target, a.draft, a.redis_url,
-                   TlsFiles(a.redis_tls_cert, a.redis_tls_key, a.redis_tls_ca), a.redis_retry, a.redis_wait_replicas,
-                   a.redis_wait_timeout_ms, a.tokenizer, a.num_speculative_tokens, a.max_new_tokens, a.session_ttl,
-                   a.request_ttl, a.target_retry, a.draft_retry, a.startup_timeout, a.max_concurrent_requests, a.overlap,
-                   a.auth_tokens_file, a.tenant_max_sessions, a.tenant_max_requests,
-                   TlsFiles(a.worker_tls_cert, a.worker_tls_key, a.worker_tls_ca), a.worker_tls_server_name)
+        return cls(
+            server=ServerOptions.from_args(a), target_address=a.target, draft_address=a.draft,
+            redis_url=a.redis_url, redis_tls=TlsFiles(a.redis_tls_cert, a.redis_tls_key, a.redis_tls_ca),
+            redis_retry_s=a.redis_retry, redis_wait_replicas=a.redis_wait_replicas,
+            redis_wait_timeout_ms=a.redis_wait_timeout_ms, tokenizer=a.tokenizer,
+            num_speculative_tokens=a.num_speculative_tokens, max_new_tokens=a.max_new_tokens,
+            session_ttl_s=a.session_ttl, request_ttl_s=a.request_ttl, target_retry_s=a.target_retry,
+            draft_retry_s=a.draft_retry, startup_timeout_s=a.startup_timeout,
+            max_concurrent_requests=a.max_concurrent_requests, overlap=a.overlap, auth_tokens_file=a.auth_tokens_file,
+            tenant_max_sessions=a.tenant_max_sessions, tenant_max_requests=a.tenant_max_requests,
+            worker_tls=TlsFiles(a.worker_tls_cert, a.worker_tls_key, a.worker_tls_ca),
+            worker_tls_server_name=a.worker_tls_server_name,
+        )

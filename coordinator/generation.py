@@ -27,7 +27,7 @@ from coordinator.sessions import DEFAULT_TENANT, RequestRecord, Session, Session
 from coordinator.tenancy import RequestQuota
 from coordinator.text import OutputText, TextCodec
 from specdec_core import metrics
-from specdec_core.errors import Cancelled, FailedPrecondition, InvalidArgument, ResourceExhausted
+from specdec_core.errors import Aborted, Cancelled, FailedPrecondition, InvalidArgument, ResourceExhausted
 from specdec_core.limits import validate_request_id, validate_session_id
 from specdec_core.logs import log_context
 from specdec_core.sampling import SamplingConfig, validate_sampling
@@ -138,21 +138,32 @@ class Generation:
         their queue would miss."""
         self._validate(req)
         with self.quota.held(tenant):
-            record = self.store.request(tenant, req.request_id) if req.request_id else None
-            if record is not None and (record.fingerprint != req.fingerprint()
-                                       or req.session_id not in ("", record.session_id)):
-                raise InvalidArgument("request_id", "already used for a different request (a retry must repeat "
-                                                    "its request exactly)")
+            record = self._record(req, tenant)
             session_id = record.session_id if record else req.session_id
             session = self.store.load(session_id, tenant) if session_id else self.store.new(req.seed, tenant)
             with self.store.held(session.session_id, req.request_id), log_context(session=session.ref):
-                if record is not None:  # read again under the lease: an earlier attempt may have gone on
-                    session = self.store.load(session_id, tenant)
+                if req.request_id:  # again under the lease: an earlier attempt may have gone on, or finished
+                    record = self._record(req, tenant)
+                    if record is not None and record.session_id != session.session_id:
+                        raise Aborted(f"request {req.request_id!r} is running in another attempt; retry")
+                    if record is not None:
+                        session = self.store.load(session.session_id, tenant)
                 self.routes[session.session_id] = session.routes  # routed workers update it in place
                 try:
                     yield from self._run(req, session, record, is_cancelled)
                 finally:
-                    self.routes.pop(session.session_id, None)
+                    if self.routes.get(session.session_id) is session.routes:  # not a later attempt's
+                        del self.routes[session.session_id]
+
+    def _record(self, req: GenerationRequest, tenant: str) -> RequestRecord | None:
+        """The record of an earlier attempt of this request, if any; INVALID_ARGUMENT if its id was
+        used for other input."""
+        record = self.store.request(tenant, req.request_id) if req.request_id else None
+        if record is not None and (record.fingerprint != req.fingerprint()
+                                   or req.session_id not in ("", record.session_id)):
+            raise InvalidArgument("request_id", "already used for a different request (a retry must repeat "
+                                                "its request exactly)")
+        return record
 
     def _run(self, req: GenerationRequest, session: Session, record: RequestRecord | None,
              is_cancelled: Callable[[], bool]) -> Iterator[Chunk]:
@@ -200,10 +211,11 @@ class Generation:
         # (a retry's output so far, replayed)
         generated = len(done)
         if record is not None and (done or record.finish):
+            self.store.confirm(session)  # an attempt may have committed these without its replicas' word
             text, _ = out.add(done)
             if record.finish:
                 yield Chunk(session.session_id, text + out.flush(), done, Finish(record.finish), len(input_ids),
-                            generated, len(session.token_ids), stats)
+                            generated, record.end, stats)
                 return
             yield Chunk(session.session_id, text, done)
         while True:

@@ -47,7 +47,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from specdec_core import metrics
-from specdec_core.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
+from specdec_core.errors import Aborted, FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from specdec_core.logs import short_id
 from specdec_core.security import TlsFiles
 
@@ -57,13 +57,17 @@ DEFAULT_TENANT = "default"
 # ARGV: expected version, meta, ttl, commit id, tenant, max sessions, session id, request record
 # ('' for none), '1' when the record must be new, the record's ttl, then the token ids.
 # Returns the new version; -1 another writer won; -2 the tenant's session cap; -3 the request id
-# is taken.
+# is taken; -4 the session is gone (ended, or expired) since it was read.
 _COMMIT = """
 local version = redis.call('HGET', KEYS[1], 'version')
 if version == false then version = -1 else version = tonumber(version) end
 local expected = tonumber(ARGV[1])
 if version ~= expected then
-  if version == expected + 1 and redis.call('HGET', KEYS[1], 'commit') == ARGV[4] then return version end
+  if version == -1 then return -4 end
+  if version == expected + 1 and redis.call('HGET', KEYS[1], 'commit') == ARGV[4] then
+    redis.call('EXPIRE', KEYS[1], ARGV[3])  -- a write on this connection: the WAIT after it covers the commit
+    return version
+  end
   return -1
 end
 if ARGV[9] == '1' and redis.call('EXISTS', KEYS[4]) == 1 then return -3 end
@@ -93,7 +97,7 @@ return {redis.call('HGETALL', KEYS[1]), redis.call('LRANGE', KEYS[2], 0, -1)}
 # KEYS: lease. ARGV: new holder token, lease ms, request id prefix ('' for none).
 _ACQUIRE_LEASE = """
 local holder = redis.call('GET', KEYS[1])
-if holder == false or (ARGV[3] ~= '' and string.sub(holder, 1, #ARGV[3]) == ARGV[3]) then
+if holder == false or holder == ARGV[1] or (ARGV[3] ~= '' and string.sub(holder, 1, #ARGV[3]) == ARGV[3]) then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
   return 1
 end
@@ -243,20 +247,38 @@ class SessionStore:
             if self.wait_replicas:
                 pipe.wait(self.wait_replicas, self.wait_timeout_ms)
             version, *acked = pipe.execute()
+        if version == -4:
+            raise NotFound(f"session {session.ref} was ended (or expired) during the request")
         if version == -1:
-            raise FailedPrecondition(f"session {session.ref} was changed by another request")
+            raise Aborted(f"session {session.ref} was changed by another request; retry")
         if version == -2:
             metrics.STORE_ERRORS.labels("tenant_cap").inc()
             raise ResourceExhausted(f"tenant {session.tenant!r} has {self.max_sessions_per_tenant} live sessions, "
                                     "its limit: end some (EndSession) or wait for idle ones to expire")
         if version == -3:
-            raise FailedPrecondition(f"request {request.request_id!r} is already running")
+            raise Aborted(f"request {request.request_id!r} is already running in another attempt; retry")
+        self._check_acked(acked)
+        session.version = version
+        session.token_ids.extend(new_ids)
+
+    def confirm(self, session: Session) -> None:
+        """With `wait_replicas`, wait until that many replicas hold everything written so far (a
+        write on one connection, then WAIT on it): before a retry replays tokens an earlier attempt
+        committed but never confirmed."""
+        if not self.wait_replicas:
+            return
+        with _redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.expire(self._keys(session.session_id)[0], self.ttl_seconds)
+            pipe.wait(self.wait_replicas, self.wait_timeout_ms)
+            _, acked = pipe.execute()
+        self._check_acked([acked])
+
+    def _check_acked(self, acked: list[int]) -> None:
         if acked and acked[0] < self.wait_replicas:
             metrics.STORE_ERRORS.labels("replicas").inc()
             raise Unavailable(f"session store (Redis): a commit reached {acked[0]} of {self.wait_replicas} "
                               f"replicas in {self.wait_timeout_ms} ms")
-        session.version = version
-        session.token_ids.extend(new_ids)
 
     def acquire(self, session_id: str, request_id: str = "") -> str:
         """Mark the session busy; FAILED_PRECONDITION if another request holds it. A lease taken
@@ -320,18 +342,24 @@ class SessionStore:
 
 @contextmanager
 def _redis_errors():
-    """Redis unreachable -> UNAVAILABLE; Redis full (maxmemory, noeviction) -> RESOURCE_EXHAUSTED."""
+    """Redis unreachable or read-only (a demoted primary, before the client finds the new one) ->
+    UNAVAILABLE; Redis full (maxmemory, noeviction) -> RESOURCE_EXHAUSTED. Redis 6.2 reports what a
+    script's command hit only inside the script's error text."""
     try:
         yield
-    except redis.OutOfMemoryError as exc:
-        metrics.STORE_ERRORS.labels("full").inc()
-        raise ResourceExhausted(f"session store (Redis) is full (maxmemory): {exc}") from exc
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         metrics.STORE_ERRORS.labels("unavailable").inc()
         raise Unavailable(f"session store (Redis) unavailable: {exc}") from exc
-    except redis.ReadOnlyError as exc:  # a demoted primary, before the client finds the new one
-        metrics.STORE_ERRORS.labels("unavailable").inc()
-        raise Unavailable(f"session store (Redis) is read-only (failover in progress?): {exc}") from exc
+    except redis.ResponseError as exc:
+        text = str(exc)
+        if isinstance(exc, redis.OutOfMemoryError) or "OOM command not allowed" in text:
+            metrics.STORE_ERRORS.labels("full").inc()
+            raise ResourceExhausted("session store (Redis) is full (maxmemory): it refuses new writes until "
+                                    "sessions end or expire") from exc
+        if isinstance(exc, redis.ReadOnlyError) or "READONLY" in text:
+            metrics.STORE_ERRORS.labels("unavailable").inc()
+            raise Unavailable("session store (Redis) is read-only (a failover in progress?)") from exc
+        raise
 
 
 def connect_redis(url: str, tls: TlsFiles = TlsFiles(), retry_s: float = 5.0) -> redis.Redis:
@@ -357,12 +385,13 @@ def connect_redis(url: str, tls: TlsFiles = TlsFiles(), retry_s: float = 5.0) ->
     if not path:
         raise ValueError(f"{url}: a redis+sentinel:// URL names the master: .../master-name[/db]")
     password = unquote(parts.password) if parts.password else None
-    hosts = [h.rsplit(":", 1) for h in parts.netloc.rpartition("@")[2].split(",")]
-    sentinel_options = {"password": password, "socket_timeout": 2, "socket_connect_timeout": 2}
+    username = unquote(parts.username) if parts.username else None
+    hosts = [(h, p or "26379") for h, _, p in (a.partition(":") for a in parts.netloc.rpartition("@")[2].split(","))]
+    sentinel_options = {"username": username, "password": password, "socket_timeout": 2, "socket_connect_timeout": 2}
     if secure:
         sentinel_options.update(ssl=True, **{k: v for k, v in options.items() if k.startswith("ssl_")})
     sentinel = redis.sentinel.Sentinel([(h, int(p)) for h, p in hosts], sentinel_kwargs=sentinel_options,
-                                       password=password, ssl=secure, **options)
+                                       username=username, password=password, ssl=secure, **options)
     return sentinel.master_for(path[0], db=int(path[1]) if len(path) > 1 else 0)
 
 

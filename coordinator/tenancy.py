@@ -9,6 +9,7 @@ store answers NOT_FOUND to any other.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import re
 import threading
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from coordinator.sessions import DEFAULT_TENANT
 from specdec_core import metrics
-from specdec_core.errors import ResourceExhausted
+from specdec_core.errors import ResourceExhausted, Unauthenticated
 from specdec_core.security import bearer_token
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -56,12 +57,19 @@ class Tenants:
             for known, tenant in self.tokens.items():
                 if hmac.compare_digest(token, known):
                     return tenant
-            return DEFAULT_TENANT  # not reached: the interceptor refuses unknown tokens
+            raise Unauthenticated("missing or invalid bearer token")  # the interceptor refuses these first
         names = (context.auth_context() or {}).get("x509_common_name")
         if names:
-            name = names[0].decode(errors="replace")
-            return name if TENANT_NAME.fullmatch(name) else "cn-" + re.sub(r"[^A-Za-z0-9._-]", "_", name)[:61]
+            return tenant_of_certificate(names[0].decode(errors="replace"))
         return DEFAULT_TENANT
+
+
+def tenant_of_certificate(common_name: str) -> str:
+    """A client certificate's common name as a tenant: itself when it is a valid tenant name (and
+    does not start with 'cn-'), otherwise 'cn-' and a digest of it, so two names never share one."""
+    if TENANT_NAME.fullmatch(common_name) and not common_name.startswith("cn-"):
+        return common_name
+    return "cn-" + hashlib.blake2b(common_name.encode(), digest_size=12).hexdigest()
 
 
 class RequestQuota:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -93,8 +94,8 @@ class Client:
     for a TLS endpoint (or tls_ca: a CA file path). token: sent as `authorization: Bearer <token>`.
 
     Every generation carries a request id (a fresh one unless given), and a call that fails
-    UNAVAILABLE (a coordinator restarting, Redis failing over) is retried with it for up to
-    `retry_s` seconds: the server then appends nothing twice, and a stream resumes where it broke:
+    UNAVAILABLE (a coordinator restarting, Redis failing over) or ABORTED (it raced an earlier
+    attempt of itself) is retried with it while the failures last no longer than `retry_s` seconds: the server then appends nothing twice, and a stream resumes where it broke:
     what the failed attempt already yielded is not yielded again (the server replays the
     request's output from its start; this client skips what it has seen)."""
 
@@ -122,11 +123,12 @@ class Client:
         """Yields chunks as rounds are committed; the last carries finish_reason, usage and stats."""
         request = pb.GenerateStreamRequest(input=build_input(prompt, **_with_request_id(kwargs)))
         seen_ids = seen_chars = 0  # what this call has yielded, over all attempts
-        deadline = time.monotonic() + self.retry_s
-        for attempt in range(1_000_000):
+        failing_since = None  # retries are bounded per outage, not per call: a long stream may break late
+        for attempt in itertools.count():
             ids = chars = 0  # what this attempt has received
             try:
                 for chunk in self.stub.GenerateStream(request, timeout=self.timeout_s):
+                    failing_since = None
                     skip_ids, skip_chars = max(0, seen_ids - ids), max(0, seen_chars - chars)
                     ids, chars = ids + len(chunk.token_ids), chars + len(chunk.text)
                     if skip_ids or skip_chars:  # a retry replays the output from its start
@@ -139,9 +141,12 @@ class Client:
                         chunk = new
                     seen_ids, seen_chars = max(seen_ids, ids), max(seen_chars, chars)
                     yield chunk
+                    if chunk.finish_reason:  # done, even if the stream breaks before its status arrives
+                        return
                 return
             except grpc.RpcError as exc:
-                if not _retryable(exc, attempt) or time.monotonic() >= deadline:
+                failing_since = failing_since or time.monotonic()
+                if not _retryable(exc) or time.monotonic() - failing_since >= self.retry_s:
                     raise
                 time.sleep(_backoff(attempt))
 
@@ -171,11 +176,10 @@ def _with_request_id(kwargs: dict) -> dict:
     return kwargs if kwargs.get("request_id") else {**kwargs, "request_id": uuid.uuid4().hex}
 
 
-def _retryable(exc: grpc.RpcError, attempt: int) -> bool:
-    """UNAVAILABLE: the server or its store is (briefly) gone. FAILED_PRECONDITION on a retry: the
-    session is still held, or was just moved on, by this request's own earlier attempt."""
-    code = exc.code()
-    return code == grpc.StatusCode.UNAVAILABLE or (code == grpc.StatusCode.FAILED_PRECONDITION and attempt > 0)
+def _retryable(exc: grpc.RpcError) -> bool:
+    """UNAVAILABLE: the server or its store is (briefly) gone. ABORTED: this request's own earlier
+    attempt won a race with this one (a retry resumes after it)."""
+    return exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
 
 
 def _backoff(attempt: int) -> float:
@@ -184,11 +188,11 @@ def _backoff(attempt: int) -> float:
 
 def _retrying(call: Callable, retry_s: float):
     deadline = time.monotonic() + retry_s
-    for attempt in range(1_000_000):
+    for attempt in itertools.count():
         try:
             return call()
         except grpc.RpcError as exc:
-            if not _retryable(exc, attempt) or time.monotonic() >= deadline:
+            if not _retryable(exc) or time.monotonic() >= deadline:
                 raise
             time.sleep(_backoff(attempt))
 

@@ -54,6 +54,12 @@ class Cancelled(SpecdecError):
     code = grpc.StatusCode.CANCELLED
 
 
+class Aborted(SpecdecError):
+    """A concurrency conflict (another writer won a race): retrying the whole request is safe."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 class Unauthenticated(SpecdecError):
     code = grpc.StatusCode.UNAUTHENTICATED
 

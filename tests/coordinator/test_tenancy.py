@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.tenancy import RequestQuota, read_tenant_tokens
+from coordinator.tenancy import RequestQuota, read_tenant_tokens, tenant_of_certificate
 from specdec_core.errors import ResourceExhausted
 
 pytestmark = pytest.mark.durability
@@ -43,3 +43,11 @@ def test_request_quota_is_per_tenant_and_released():
     unlimited = RequestQuota()
     with unlimited.held("a"), unlimited.held("a"), unlimited.held("a"):
         pass
+
+
+def test_certificate_names_map_to_distinct_tenants():
+    assert tenant_of_certificate("team-a") == "team-a"
+    odd = ["alice!", "cn-alice_", "x" * 70, "x" * 70 + "y", "CN with spaces"]
+    tenants = [tenant_of_certificate(name) for name in odd]
+    assert len(set(tenants)) == len(odd)  # no two names share a tenant
+    assert all(t.startswith("cn-") and len(t) <= 64 for t in tenants)

@@ -199,6 +199,49 @@ def test_a_repeated_request_id_appends_its_turn_once(stack, aof_redis, hf_greedy
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in bad.value.details()
 
 
+def test_a_retry_that_read_the_record_before_its_request_finished_only_replays_it(stack, monkeypatch, reference):
+    """A retry reads the request record, then the first attempt finishes, then the retry takes the
+    lease: the retry must see the finish (it reads the record again under the lease) and replay it,
+    not generate past its end. The interleaving is forced by handing the retry's first read a record
+    from before the finish; the coordinator runs in this process, on the stack's workers and Redis."""
+    from coordinator.__main__ import worker_pools
+    from coordinator.config import CoordinatorConfig
+    from coordinator.generation import Generation, GenerationRequest, Limits
+    from coordinator.ngram import NgramProposer
+    from coordinator.sessions import SessionStore, connect_redis
+    from coordinator.text import TextCodec
+    from specdec_core.models import load_tokenizer
+
+    cfg = CoordinatorConfig.from_args(["--redis-url", stack.redis_url, "--target", stack.address("target"),
+                                       "--draft", stack.address("draft")])
+    routes: dict = {}
+    target, draft = worker_pools(cfg, routes)
+    info = target.model_info(60)
+    store = SessionStore(connect_redis(stack.redis_url))
+    generation = Generation(store, TextCodec(load_tokenizer(stack.target_model), "tiny"), draft, NgramProposer(),
+                            target, Limits(info.vocab_size, info.max_context, 64, K), routes)
+    request = GenerationRequest(token_ids=PROMPT, max_new_tokens=N, num_speculative_tokens=K,
+                                request_id="finished-meanwhile")
+    first = [t for chunk in generation.run(request) for t in chunk.token_ids]
+    assert first == reference
+    finished = store.request("default", "finished-meanwhile")
+    session_before = store.load(finished.session_id)
+    reads = []
+    real_request = store.request
+
+    def first_read_is_stale(tenant, request_id):
+        record = real_request(tenant, request_id)
+        reads.append(record)
+        return record.__class__(**{**record.__dict__, "finish": "", "end": 0}) if len(reads) == 1 else record
+
+    monkeypatch.setattr(store, "request", first_read_is_stale)
+    chunks = list(generation.run(request))
+    assert len(reads) == 2  # once before the lease, once under it
+    assert [t for c in chunks for t in c.token_ids] == reference and chunks[-1].finish is not None
+    after = store.load(finished.session_id)
+    assert (after.token_ids, after.version) == (session_before.token_ids, session_before.version)
+
+
 # ---- a full Redis ------------------------------------------------------------------------------
 
 def test_redis_at_maxmemory_is_resource_exhausted_and_corrupts_nothing(stack, aof_redis, reference):
@@ -358,8 +401,8 @@ def test_sentinel_failover_mid_stream_loses_and_repeats_nothing(stack, tmp_path_
 
 def test_concurrent_retries_of_one_request_commit_it_once(stack, aof_redis, reference):
     """Two attempts of the same new-session request at once (a client that retried too early):
-    exactly one session gets the input, and both attempts end with the same output or a clear
-    FAILED_PRECONDITION."""
+    exactly one session gets the input, and both attempts end with the same output or ABORTED (the
+    race lost, which the client library retries)."""
     outcomes: list = []
 
     def attempt():
@@ -376,7 +419,7 @@ def test_concurrent_retries_of_one_request_commit_it_once(stack, aof_redis, refe
         t.join()
     results = [o for o in outcomes if not isinstance(o, grpc.RpcError)]
     assert results, outcomes
-    assert all(o.code() == grpc.StatusCode.FAILED_PRECONDITION for o in outcomes if isinstance(o, grpc.RpcError))
+    assert all(o.code() == grpc.StatusCode.ABORTED for o in outcomes if isinstance(o, grpc.RpcError)), outcomes
     assert all(r.token_ids == reference for r in results)
     SESSION_IDS.update(r.session_id for r in results)
     assert len({r.session_id for r in results}) == 1

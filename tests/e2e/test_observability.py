@@ -8,6 +8,7 @@ import pytest
 
 from specdec import Client
 from specdec.launcher import free_port
+from specdec_core.logs import short_id
 from stacks import scrape, start_stack
 
 pytestmark = pytest.mark.e2e
@@ -42,7 +43,7 @@ def test_every_service_exports_its_metrics(stack):
     assert draft['specdec_cache_tokens{role="draft"}'] > 0
 
 
-def test_logs_are_json_lines_with_the_session_id(stack):
+def test_logs_are_json_lines_with_the_session_digest(stack):
     stack.stop("draft")  # requests now log that they decode without the draft
     try:
         with Client(stack.address("coordinator"), timeout_s=120) as client:
@@ -52,5 +53,5 @@ def test_logs_are_json_lines_with_the_session_id(stack):
     lines = (stack.log_dir / "coordinator.log").read_text().splitlines()
     entries = [json.loads(line) for line in lines if line.startswith("{")]
     assert entries and all({"ts", "level", "logger", "msg"} <= e.keys() for e in entries)
-    about_request = [e for e in entries if e.get("session_id") == result.session_id]
+    about_request = [e for e in entries if e.get("session") == short_id(result.session_id)]  # never the id
     assert about_request and any(e["level"] == "warning" and "draft" in e["msg"] for e in about_request)

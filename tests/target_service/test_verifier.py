@@ -11,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specdec_core.batched_backend import BatchedBackend
 from specdec_core.errors import ResourceExhausted
 from specdec_core.kvcache import SessionCaches
+from specdec_core.logs import short_id
 from specdec_core.sampling import SamplingConfig
 from target_service.verifier import Verifier, VerifyTask
 
@@ -38,7 +39,7 @@ def test_a_session_that_does_not_fit_is_refused_alone(model):
     caches = SessionCaches(pool)
     results = Verifier(caches, max_context=512)._verify_batch(tasks)
 
-    assert isinstance(results[1], ResourceExhausted) and "'big'" in str(results[1])
+    assert isinstance(results[1], ResourceExhausted) and short_id("big") in str(results[1])
     for i in (0, 2):  # the others: the verdict each gets alone, in a roomy cache
         alone = Verifier(SessionCaches(BatchedBackend(model, max_tokens=1024)), max_context=512)
         expected = alone._verify_batch([tasks[i]])[0]
