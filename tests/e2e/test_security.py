@@ -14,7 +14,6 @@ polled instead.
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pki import make_ca, make_leaf
 from specdec import Client
 from specdec.client import build_input
 from specdec.launcher import Stack, free_port, wait_serving
@@ -39,36 +39,13 @@ IDS = [504, 3458, 282, 4649, 314]
 
 # ---- a throwaway PKI ---------------------------------------------------------------------------
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def _ca(d: Path, name: str) -> None:
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", f"{name}.key", "-out", f"{name}.crt", "-days", "2", "-subj", f"/CN={name}",
-             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-             cwd=d)
-
-
-def _leaf(d: Path, name: str, ca: str, usage: str, san: str = "") -> None:
-    _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-    ext = ["basicConstraints=CA:FALSE", "keyUsage=critical,digitalSignature,keyEncipherment",
-           f"extendedKeyUsage={usage}"]
-    if san:
-        ext.append(f"subjectAltName={san}")
-    (d / f"{name}.ext").write_text("\n".join(ext) + "\n")
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key", "-CAcreateserial",
-             "-out", f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext", cwd=d)
-
-
 def make_pki(d: Path) -> Path:
-    _ca(d, "ca")
-    _leaf(d, "coordinator", "ca", "serverAuth", "IP:127.0.0.1,DNS:localhost")
-    _leaf(d, "worker", "ca", "serverAuth", f"DNS:{WORKER_NAME}")
-    _leaf(d, "coordinator-client", "ca", "clientAuth")
-    _ca(d, "rogue-ca")
-    _leaf(d, "rogue-client", "rogue-ca", "clientAuth")
+    make_ca(d, "ca")
+    make_leaf(d, "coordinator", "ca", "serverAuth", "IP:127.0.0.1,DNS:localhost")
+    make_leaf(d, "worker", "ca", "serverAuth", f"DNS:{WORKER_NAME}")
+    make_leaf(d, "coordinator-client", "ca", "clientAuth")
+    make_ca(d, "rogue-ca")
+    make_leaf(d, "rogue-client", "rogue-ca", "clientAuth")
     return d
 
 
