@@ -96,6 +96,7 @@ def test_durable_release(releases):
     flags = flags_of(release.container("coordinator")["args"])
     assert (flags["tenant-max-sessions"], flags["tenant-max-requests"]) == ("500", "8")
     assert flags["redis-wait-replicas"] == "0", "one Redis has no replica to wait for"
+    assert flags["redis-retry"] == "5"
 
 
 # --- Sentinel ----------------------------------------------------------------------------------
@@ -154,6 +155,7 @@ def test_high_availability_release(releases):
 
     coordinator = flags_of(release.container("coordinator")["args"])
     assert coordinator["redis-wait-replicas"] == "1" and coordinator["redis-wait-timeout-ms"] == "1000"
+    assert coordinator["redis-retry"] == "30", "the coordinator rides out a failover"
     assert "3 pods with Sentinel failover" in release.notes
 
 
@@ -163,7 +165,7 @@ def test_sentinel_settings_follow_the_values(chart):
                                      "downAfterMilliseconds": 2000, "failoverTimeout": 20000,
                                      "preStopWaitSeconds": 30},
                         "bundled": {"affinity": {"nodeAffinity": {}}}},
-              "coordinator": {"redisWaitReplicas": 2, "redisWaitTimeoutMs": 250}}
+              "coordinator": {"redisWaitReplicas": 2, "redisWaitTimeoutMs": 250, "redisRetrySeconds": 12.5}}
     release = render(chart, values)
     env = {k: e.get("value") for k, e in env_of(release.pod_spec("redis")["containers"][1]).items()}
     assert (env["QUORUM"], env["SENTINEL_PORT"], env["MASTER_NAME"]) == ("3", "26380", "sessions")
@@ -174,7 +176,7 @@ def test_sentinel_settings_follow_the_values(chart):
     assert [port for _, port in hosts] == [26380] * 5
     assert release.pod_spec("redis")["affinity"] == {"nodeAffinity": {}}, "the values' affinity wins"
     flags = flags_of(release.container("coordinator")["args"])
-    assert (flags["redis-wait-replicas"], flags["redis-wait-timeout-ms"]) == ("2", "250")
+    assert (flags["redis-wait-replicas"], flags["redis-wait-timeout-ms"], flags["redis-retry"]) == ("2", "250", "12.5")
 
 
 def test_external_sentinel_release(releases):

@@ -122,6 +122,12 @@ Service>.<namespace>.svc, names that outlive the pods' IPs. */}}
 {{- if kindIs "invalid" $n }}{{ ternary 1 0 (eq (include "specdec.redisSentinel" .) "true") }}{{ else }}{{ int $n }}{{ end }}
 {{- end }}
 
+{{/* --redis-retry: coordinator.redisRetrySeconds, or when null 30 with Sentinel (a failover), else 5. */}}
+{{- define "specdec.redisRetrySeconds" -}}
+{{- $s := .Values.coordinator.redisRetrySeconds }}
+{{- if kindIs "invalid" $s }}{{ ternary 30 5 (eq (include "specdec.redisSentinel" .) "true") }}{{ else }}{{ $s }}{{ end }}
+{{- end }}
+
 {{/* Bytes in a Redis memory size (800mb, 1gb, 1000000) or a Kubernetes quantity (1Gi, 800M);
 empty when it is neither. (dict "value" "1Gi") */}}
 {{- define "specdec.bytes" -}}
