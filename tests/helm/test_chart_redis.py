@@ -384,6 +384,8 @@ def test_sentinel_script_hands_over_and_fails_over(pods):
     # Redis' preStop hands the master role over through the other Sentinels, then Redis stops.
     pods.stop("sentinel", 0)
     pods.pre_stop(0)
+    pods.wait(lambda: len(pods.masters()) == 1 and PODS[0] not in pods.masters(),
+              "the other Sentinels to agree on the new master")  # they learn it from each other
     (new_master,) = pods.masters()
     assert new_master in PODS[1:]
     pods.stop("redis", 0)
