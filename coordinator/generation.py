@@ -168,35 +168,7 @@ class Generation:
     def _run(self, req: GenerationRequest, session: Session, record: RequestRecord | None,
              is_cancelled: Callable[[], bool]) -> Iterator[Chunk]:
         started = time.perf_counter()
-        if record is None:
-            start, input_ids = len(session.token_ids), self._input_ids(req, session)
-        else:  # a retry: the input is in the session already
-            if not record.finish and session.request_id != record.request_id:
-                raise FailedPrecondition(f"request {record.request_id!r} was interrupted and the session has had "
-                                         "other requests since: it cannot be resumed")
-            start = record.start
-            input_ids = session.token_ids[start:start + record.input_tokens]
-        room = self.limits.max_context - start - len(input_ids)
-        if room < 1:
-            raise ResourceExhausted(
-                f"input: the session would hold {start + len(input_ids)} tokens, "
-                f"the model's context is {self.limits.max_context}"
-            )
-        if req.max_new_tokens is not None and req.max_new_tokens > room:
-            raise InvalidArgument("max_new_tokens", f"{req.max_new_tokens} exceeds the {room} tokens left in the context")
-        max_new = req.max_new_tokens or min(self.limits.default_max_new_tokens, room)
-        if record is None:
-            if req.seed is not None:
-                session.seed = req.seed
-            session.sampling = {"temperature": req.sampling.temperature, "top_k": req.sampling.top_k,
-                                "top_p": req.sampling.top_p}
-            if req.messages is not None:
-                session.messages += [*req.messages, {"role": "assistant", "content": ""}]
-            session.stats.requests += 1
-            session.request_id = req.request_id
-            if req.request_id:
-                record = RequestRecord(req.request_id, session.session_id, req.fingerprint(), start, len(input_ids))
-            self.store.commit(session, input_ids, record, new_request=True)
+        start, input_ids, max_new, record = self._begin(req, session, record)
 
         proposer, k_fixed = self._drafting(req)
         adaptive = AdaptiveK(max_k=k_fixed or self.limits.default_k) if req.adaptive and proposer else None
@@ -257,6 +229,42 @@ class Generation:
             yield Chunk(session.session_id, text, new_ids, finish, len(input_ids), generated,
                         len(session.token_ids), stats)
             return
+
+    def _begin(self, req: GenerationRequest, session: Session, record: RequestRecord | None
+               ) -> tuple[int, list[int], int, RequestRecord | None]:
+        """Where the request's input starts in the session, the input, the most tokens it may
+        generate, and its record: a first attempt commits its input (and record) here; a retry finds
+        them committed."""
+        if record is None:
+            start, input_ids = len(session.token_ids), self._input_ids(req, session)
+        else:  # a retry: the input is in the session already
+            if not record.finish and session.request_id != record.request_id:
+                raise FailedPrecondition(f"request {record.request_id!r} was interrupted and the session has had "
+                                         "other requests since: it cannot be resumed")
+            start = record.start
+            input_ids = session.token_ids[start:start + record.input_tokens]
+        room = self.limits.max_context - start - len(input_ids)
+        if room < 1:
+            raise ResourceExhausted(
+                f"input: the session would hold {start + len(input_ids)} tokens, "
+                f"the model's context is {self.limits.max_context}"
+            )
+        if req.max_new_tokens is not None and req.max_new_tokens > room:
+            raise InvalidArgument("max_new_tokens", f"{req.max_new_tokens} exceeds the {room} tokens left in the context")
+        max_new = req.max_new_tokens or min(self.limits.default_max_new_tokens, room)
+        if record is None:
+            if req.seed is not None:
+                session.seed = req.seed
+            session.sampling = {"temperature": req.sampling.temperature, "top_k": req.sampling.top_k,
+                                "top_p": req.sampling.top_p}
+            if req.messages is not None:
+                session.messages += [*req.messages, {"role": "assistant", "content": ""}]
+            session.stats.requests += 1
+            session.request_id = req.request_id
+            if req.request_id:
+                record = RequestRecord(req.request_id, session.session_id, req.fingerprint(), start, len(input_ids))
+            self.store.commit(session, input_ids, record, new_request=True)
+        return start, input_ids, max_new, record
 
     @staticmethod
     def _cut(new_ids: list[int], remaining: int, stop_ids: set[int]) -> tuple[list[int], Finish | None]:
