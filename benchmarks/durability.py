@@ -32,7 +32,8 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from coordinator.sessions import SessionStore, connect_redis  # noqa: E402
+from coordinator.redis_client import connect_redis  # noqa: E402
+from coordinator.sessions import SessionStore  # noqa: E402
 from specdec.launcher import _wait_port, free_port, redis_server_binary, spawn  # noqa: E402
 
 ROUND = [504, 3458, 282, 4649, 314]

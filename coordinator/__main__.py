@@ -11,9 +11,10 @@ import redis
 from coordinator.config import CoordinatorConfig
 from coordinator.generation import Generation, Limits
 from coordinator.ngram import NgramProposer
+from coordinator.redis_client import connect_redis
 from coordinator.routing import ReplicaPool, Routed, discover
 from coordinator.servicer import GenerationServicer
-from coordinator.sessions import SessionStore, connect_redis
+from coordinator.sessions import SessionStore
 from coordinator.tenancy import RequestQuota, Tenants, read_tenant_tokens
 from coordinator.text import TextCodec
 from coordinator.workers import ChannelSettings, DraftClient, TargetClient

@@ -39,17 +39,13 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from urllib.parse import unquote, urlsplit
 
 import redis
-import redis.sentinel
-from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
 
+from coordinator.redis_client import redis_errors
 from specdec_core import metrics
 from specdec_core.errors import Aborted, FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from specdec_core.logs import short_id
-from specdec_core.security import TlsFiles
 
 DEFAULT_TENANT = "default"
 
@@ -207,7 +203,7 @@ class SessionStore:
         """The session, if `tenant` owns it; NOT_FOUND otherwise, the same answer as for a session
         that does not exist (no existence oracle)."""
         meta_key, ids_key, _ = self._keys(session_id)
-        with _redis_errors():
+        with redis_errors():
             flat, ids = self._load(keys=[meta_key, ids_key])
         fields = dict(zip(flat[::2], flat[1::2]))
         owner = fields.get(b"tenant", DEFAULT_TENANT.encode()).decode() if fields else None
@@ -228,7 +224,7 @@ class SessionStore:
         )
 
     def request(self, tenant: str, request_id: str) -> RequestRecord | None:
-        with _redis_errors():
+        with redis_errors():
             raw = self.redis.get(self._request_key(tenant, request_id))
         return RequestRecord(request_id, **json.loads(raw)) if raw else None
 
@@ -241,7 +237,7 @@ class SessionStore:
         args = [session.version, session.meta_json(), self.ttl_seconds, secrets.token_hex(8), session.tenant,
                 self.max_sessions_per_tenant, session.session_id, request.json() if request else "",
                 "1" if request and new_request else "0", self.request_ttl_seconds, *new_ids]
-        with _redis_errors():
+        with redis_errors():
             pipe = self.redis.pipeline(transaction=False)  # one connection: WAIT counts this commit
             pipe.eval(_COMMIT, 4, meta_key, ids_key, self._tenant_key(session.tenant), request_key, *args)
             if self.wait_replicas:
@@ -267,7 +263,7 @@ class SessionStore:
         committed but never confirmed."""
         if not self.wait_replicas:
             return
-        with _redis_errors():
+        with redis_errors():
             pipe = self.redis.pipeline(transaction=False)
             pipe.expire(self._keys(session.session_id)[0], self.ttl_seconds)
             pipe.wait(self.wait_replicas, self.wait_timeout_ms)
@@ -285,7 +281,7 @@ class SessionStore:
         for `request_id` can be taken over by a retry of the same request."""
         prefix = f"{request_id}|" if request_id else ""
         token = prefix + secrets.token_hex(8)
-        with _redis_errors():
+        with redis_errors():
             ok = self._acquire(keys=[self._keys(session_id)[2]], args=[token, self._lease_ms, prefix])
         if not ok:
             raise FailedPrecondition(f"session {short_id(session_id)} is busy with another request")
@@ -293,7 +289,7 @@ class SessionStore:
 
     def renew(self, session_id: str, token: str) -> bool:
         """Extend the lease if `token` still holds it; False if it was lost (expired, perhaps taken)."""
-        with _redis_errors():
+        with redis_errors():
             return bool(self._renew(keys=[self._keys(session_id)[2]], args=[token, self._lease_ms]))
 
     @property
@@ -330,75 +326,11 @@ class SessionStore:
                 log.warning("could not release the lease on session %s: %s", short_id(session_id), exc)
 
     def release(self, session_id: str, token: str) -> None:
-        with _redis_errors():
+        with redis_errors():
             self._release(keys=[self._keys(session_id)[2]], args=[token])
 
     def delete(self, session: Session) -> bool:
-        with _redis_errors():  # two commands, not MULTI (refused while Redis is full): ending must work then
+        with redis_errors():  # two commands, not MULTI (refused while Redis is full): ending must work then
             deleted = self.redis.delete(*self._keys(session.session_id))
             self.redis.zrem(self._tenant_key(session.tenant), session.session_id)
         return bool(deleted)
-
-
-@contextmanager
-def _redis_errors():
-    """Redis unreachable or read-only (a demoted primary, before the client finds the new one) ->
-    UNAVAILABLE; Redis full (maxmemory, noeviction) -> RESOURCE_EXHAUSTED. Redis 6.2 reports what a
-    script's command hit only inside the script's error text."""
-    try:
-        yield
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
-        metrics.STORE_ERRORS.labels("unavailable").inc()
-        raise Unavailable(f"session store (Redis) unavailable: {exc}") from exc
-    except redis.ResponseError as exc:
-        text = str(exc)
-        if isinstance(exc, redis.OutOfMemoryError) or "OOM command not allowed" in text:
-            metrics.STORE_ERRORS.labels("full").inc()
-            raise ResourceExhausted("session store (Redis) is full (maxmemory): it refuses new writes until "
-                                    "sessions end or expire") from exc
-        if isinstance(exc, redis.ReadOnlyError) or "READONLY" in text:
-            metrics.STORE_ERRORS.labels("unavailable").inc()
-            raise Unavailable("session store (Redis) is read-only (a failover in progress?)") from exc
-        raise
-
-
-def connect_redis(url: str, tls: TlsFiles = TlsFiles(), retry_s: float = 5.0) -> redis.Redis:
-    """A client for `url` that retries a dropped connection with backoff for about `retry_s`
-    seconds (long enough to ride out a Sentinel failover), then lets the error through (UNAVAILABLE).
-
-    url: redis://[:password@]host:port/db, rediss://... for TLS, unix:///path, or
-    redis+sentinel://[:password@]host:port[,host:port...]/master-name[/db] (rediss+sentinel:// for
-    TLS): the master that the sentinels name, found again after a failover. The password is the
-    same for the sentinels and the servers. tls: the CA that signed the servers' certificates, and
-    a client certificate and key when Redis requires mutual TLS."""
-    options = dict(socket_timeout=5, socket_connect_timeout=2, health_check_interval=30,
-                   retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), _retries(retry_s)),
-                   retry_on_error=[redis.ConnectionError, redis.TimeoutError])
-    parts = urlsplit(url)
-    secure = parts.scheme.startswith("rediss")
-    if secure:
-        options.update({k: v for k, v in (("ssl_ca_certs", tls.ca), ("ssl_certfile", tls.cert),
-                                          ("ssl_keyfile", tls.key)) if v})
-    if not parts.scheme.endswith("+sentinel"):
-        return redis.Redis.from_url(url, **options)
-    path = [p for p in parts.path.split("/") if p]
-    if not path:
-        raise ValueError(f"{url}: a redis+sentinel:// URL names the master: .../master-name[/db]")
-    password = unquote(parts.password) if parts.password else None
-    username = unquote(parts.username) if parts.username else None
-    hosts = [(h, p or "26379") for h, _, p in (a.partition(":") for a in parts.netloc.rpartition("@")[2].split(","))]
-    sentinel_options = {"username": username, "password": password, "socket_timeout": 2, "socket_connect_timeout": 2}
-    if secure:
-        sentinel_options.update(ssl=True, **{k: v for k, v in options.items() if k.startswith("ssl_")})
-    sentinel = redis.sentinel.Sentinel([(h, int(p)) for h, p in hosts], sentinel_kwargs=sentinel_options,
-                                       username=username, password=password, ssl=secure, **options)
-    return sentinel.master_for(path[0], db=int(path[1]) if len(path) > 1 else 0)
-
-
-def _retries(budget_s: float) -> int:
-    """Retries whose backoff (0.1, 0.2, 0.4, then 0.5 s each) adds up to about budget_s."""
-    waited, retries = 0.0, 0
-    while waited < budget_s:
-        retries += 1
-        waited += min(0.5, 0.05 * 2 ** retries)
-    return max(1, retries)

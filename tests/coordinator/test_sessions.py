@@ -12,7 +12,8 @@ from dataclasses import replace
 
 import pytest
 
-from coordinator.sessions import RequestRecord, Session, SessionStore, connect_redis
+from coordinator.redis_client import connect_redis
+from coordinator.sessions import RequestRecord, Session, SessionStore
 from specdec.launcher import Stack, _wait_port, free_port, redis_server_binary
 from specdec_core import metrics
 from specdec_core.errors import Aborted, FailedPrecondition, NotFound, ResourceExhausted, Unavailable
