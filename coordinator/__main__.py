@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     lanes = Lanes(frozenset({f"/{service}/Generate", f"/{service}/GenerateStream"}), work=cfg.max_concurrent_requests)
     server = create_server(lanes, interceptors)
     workers = [w for w in (draft, target) if w is not None]
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(generation, workers, describe, Tenants(tokens)), server)
+    servicer = GenerationServicer(generation, workers, describe, Tenants(tokens))
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     serve(server, cfg.server, [service], readiness=lambda: _ready(store, target))
 
 

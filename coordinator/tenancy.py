@@ -10,7 +10,6 @@ store answers NOT_FOUND to any other.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import re
 import threading
 from collections.abc import Iterator, Mapping
@@ -20,7 +19,7 @@ from pathlib import Path
 from coordinator.sessions import DEFAULT_TENANT
 from specdec_core import metrics
 from specdec_core.errors import ResourceExhausted, Unauthenticated
-from specdec_core.security import bearer_token
+from specdec_core.security import bearer_token, known_token
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
@@ -53,11 +52,10 @@ class Tenants:
 
     def __call__(self, context) -> str:
         if self.tokens:
-            token = bearer_token(context.invocation_metadata())
-            for known, tenant in self.tokens.items():
-                if hmac.compare_digest(token, known):
-                    return tenant
-            raise Unauthenticated("missing or invalid bearer token")  # the interceptor refuses these first
+            known = known_token(bearer_token(context.invocation_metadata()), self.tokens)
+            if known is None:  # the interceptor refuses these first
+                raise Unauthenticated("missing or invalid bearer token")
+            return self.tokens[known]
         names = (context.auth_context() or {}).get("x509_common_name")
         if names:
             return tenant_of_certificate(names[0].decode(errors="replace"))

@@ -50,6 +50,11 @@ def bearer_token(metadata) -> str:
     return header[7:] if header[:7].lower() == "bearer " else ""
 
 
+def known_token(token: str, tokens) -> str | None:
+    """The one of `tokens` that `token` is (each compared in constant time), or None."""
+    return next((t for t in tokens if token and hmac.compare_digest(token, t)), None)
+
+
 class BearerTokenInterceptor(grpc.ServerInterceptor):
     """Lets in calls that carry one of `tokens` (any collection of strings, e.g. token -> tenant)."""
 
@@ -61,7 +66,7 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         if method.startswith(HEALTH_PREFIX) or method.startswith(REFLECTION_PREFIX):
             return continuation(details)
         token = bearer_token(details.invocation_metadata)
-        if token and any(hmac.compare_digest(token, t) for t in self.tokens):
+        if known_token(token, self.tokens) is not None:
             return continuation(details)
         return _deny(continuation(details))
 
