@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import itertools
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -95,9 +94,10 @@ class Client:
 
     Every generation carries a request id (a fresh one unless given), and a call that fails
     UNAVAILABLE (a coordinator restarting, Redis failing over) or ABORTED (it raced an earlier
-    attempt of itself) is retried with it while the failures last no longer than `retry_s` seconds: the server then appends nothing twice, and a stream resumes where it broke:
-    what the failed attempt already yielded is not yielded again (the server replays the
-    request's output from its start; this client skips what it has seen)."""
+    attempt of itself) is retried with it while the failures last no longer than `retry_s`
+    seconds: the server then appends nothing twice, and a stream resumes where it broke: what the
+    failed attempt already yielded is not yielded again (the server replays the request's output
+    from its start; this client skips what it has seen)."""
 
     def __init__(self, address: str = "localhost:50050", timeout_s: float | None = None,
                  credentials: grpc.ChannelCredentials | None = None, token: str = "", tls_ca: str = "",
@@ -115,7 +115,13 @@ class Client:
 
     def generate(self, prompt: Prompt, **kwargs) -> Result:
         request = pb.GenerateRequest(input=build_input(prompt, **_with_request_id(kwargs)))
-        r = _retrying(lambda: self.stub.Generate(request, timeout=self.timeout_s), self.retry_s)
+        retries = _Retries(self.retry_s)
+        while True:
+            try:
+                r = self.stub.Generate(request, timeout=self.timeout_s)
+                break
+            except grpc.RpcError as exc:
+                retries.after(exc)
         return Result(r.session_id, r.text, list(r.token_ids), FINISH_REASONS.get(r.finish_reason, "unspecified"),
                       r.usage.prompt_tokens, r.usage.completion_tokens, stats_dict(r.stats))
 
@@ -123,12 +129,12 @@ class Client:
         """Yields chunks as rounds are committed; the last carries finish_reason, usage and stats."""
         request = pb.GenerateStreamRequest(input=build_input(prompt, **_with_request_id(kwargs)))
         seen_ids = seen_chars = 0  # what this call has yielded, over all attempts
-        failing_since = None  # retries are bounded per outage, not per call: a long stream may break late
-        for attempt in itertools.count():
+        retries = _Retries(self.retry_s)
+        while True:
             ids = chars = 0  # what this attempt has received
             try:
                 for chunk in self.stub.GenerateStream(request, timeout=self.timeout_s):
-                    failing_since = None
+                    retries.recovered()  # a long stream may break late: the bound is per outage
                     skip_ids, skip_chars = max(0, seen_ids - ids), max(0, seen_chars - chars)
                     ids, chars = ids + len(chunk.token_ids), chars + len(chunk.text)
                     if skip_ids or skip_chars:  # a retry replays the output from its start
@@ -145,10 +151,7 @@ class Client:
                         return
                 return
             except grpc.RpcError as exc:
-                failing_since = failing_since or time.monotonic()
-                if not _retryable(exc) or time.monotonic() - failing_since >= self.retry_s:
-                    raise
-                time.sleep(_backoff(attempt))
+                retries.after(exc)
 
     def get_session(self, session_id: str) -> pb.GetSessionResponse:
         return self.stub.GetSession(pb.GetSessionRequest(session_id=session_id), timeout=self.timeout_s)
@@ -176,25 +179,27 @@ def _with_request_id(kwargs: dict) -> dict:
     return kwargs if kwargs.get("request_id") else {**kwargs, "request_id": uuid.uuid4().hex}
 
 
-def _retryable(exc: grpc.RpcError) -> bool:
-    """UNAVAILABLE: the server or its store is (briefly) gone. ABORTED: this request's own earlier
-    attempt won a race with this one (a retry resumes after it)."""
-    return exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
+class _Retries:
+    """When a call is tried again: after UNAVAILABLE (the server or its store is briefly gone) or
+    ABORTED (the request's own earlier attempt won a race with this one), with backoff, while the
+    outage has lasted less than `retry_s`."""
 
+    def __init__(self, retry_s: float):
+        self.retry_s = retry_s
+        self.failing_since: float | None = None
+        self.attempt = 0
 
-def _backoff(attempt: int) -> float:
-    return min(2.0, 0.2 * 2 ** attempt)
+    def recovered(self) -> None:
+        self.failing_since = None
 
-
-def _retrying(call: Callable, retry_s: float):
-    deadline = time.monotonic() + retry_s
-    for attempt in itertools.count():
-        try:
-            return call()
-        except grpc.RpcError as exc:
-            if not _retryable(exc) or time.monotonic() >= deadline:
-                raise
-            time.sleep(_backoff(attempt))
+    def after(self, exc: grpc.RpcError) -> None:
+        """Sleep before the next attempt, or raise exc if there is to be none."""
+        self.failing_since = self.failing_since or time.monotonic()
+        retryable = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
+        if not retryable or time.monotonic() - self.failing_since >= self.retry_s:
+            raise exc
+        time.sleep(min(2.0, 0.2 * 2 ** self.attempt))
+        self.attempt += 1
 
 
 class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
