@@ -138,7 +138,9 @@ class Generation:
         their queue would miss."""
         self._validate(req)
         with self.quota.held(tenant):
-            record = self._record(req, tenant)
+            # A retry of a new-session request finds its session only through its record; any other
+            # request reads the record once, under the lease (below).
+            record = None if req.session_id else self._record(req, tenant)
             session_id = record.session_id if record else req.session_id
             session = self.store.load(session_id, tenant) if session_id else self.store.new(req.seed, tenant)
             with self.store.held(session.session_id, req.request_id), log_context(session=session.ref):
