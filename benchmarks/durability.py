@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,43 +33,22 @@ sys.path.insert(0, str(ROOT))
 
 from coordinator.redis_client import connect_redis  # noqa: E402
 from coordinator.sessions import SessionStore  # noqa: E402
-from specdec.launcher import _wait_port, free_port, redis_server_binary, spawn  # noqa: E402
+from specdec.launcher import redis_server_binary  # noqa: E402
+from specdec.loadtest import percentiles  # noqa: E402 (does not import locust)
+from stacks import RedisProcess  # noqa: E402
 
 ROUND = [504, 3458, 282, 4649, 314]
 MESSAGES = [{"role": "user", "content": "Summarise the following paragraph. " * 20},
             {"role": "assistant", "content": "The paragraph says. " * 40}]
 
 
-class Server:
-    def __init__(self, root: Path, name: str, *args: str):
-        self.port = free_port()
-        self.dir = root / name
-        self.dir.mkdir()
-        self.proc = spawn([redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                           "--dir", str(self.dir), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait_port(self.port, 20)
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(20)
-
-
-def wait_replicated(primary: Server, timeout_s: float = 60) -> None:
+def wait_replicated(primary: RedisProcess, timeout_s: float = 60) -> None:
     client = redis.Redis.from_url(primary.url)
     deadline = time.monotonic() + timeout_s
     while client.info("replication").get("slave0", {}).get("state") != "online":
         if time.monotonic() > deadline:
             raise TimeoutError("the replica did not connect")
         time.sleep(0.1)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def main() -> None:
@@ -84,12 +62,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         servers = {
-            "memory": Server(root, "memory", "--appendonly", "no"),
-            "aof_everysec": Server(root, "everysec", "--appendonly", "yes", "--appendfsync", "everysec"),
-            "aof_always": Server(root, "always", "--appendonly", "yes", "--appendfsync", "always"),
-            "replica": Server(root, "primary", "--appendonly", "no", "--repl-diskless-sync-delay", "0"),
+            "memory": RedisProcess(root / "memory", "--appendonly", "no").start(),
+            "aof_everysec": RedisProcess(root / "everysec", "--appendonly", "yes", "--appendfsync", "everysec").start(),
+            "aof_always": RedisProcess(root / "always", "--appendonly", "yes", "--appendfsync", "always").start(),
+            "replica": RedisProcess(root / "primary", "--appendonly", "no", "--repl-diskless-sync-delay", "0").start(),
         }
-        replica = Server(root, "replica", "--appendonly", "no", "--replicaof", "127.0.0.1", str(servers["replica"].port))
+        replica = RedisProcess(root / "replica", "--appendonly", "no", "--replicaof", "127.0.0.1",
+                               str(servers["replica"].port)).start()
         try:
             wait_replicated(servers["replica"])
             stores = {name: SessionStore(connect_redis(s.url), ttl_seconds=600) for name, s in servers.items()}
@@ -116,10 +95,9 @@ def main() -> None:
             for s in [*servers.values(), replica]:
                 s.stop()
 
-    base = statistics.median(samples["memory"])
-    results = {name: {"p50_ms": round(statistics.median(v), 3), "p99_ms": round(percentile(v, 0.99), 3),
-                      "mean_ms": round(statistics.fmean(v), 3),
-                      "p50_vs_memory": round(statistics.median(v) / base, 2)} for name, v in samples.items()}
+    stats = {name: percentiles(v) for name, v in samples.items()}
+    results = {name: {"p50_ms": round(q["p50"], 3), "p99_ms": round(q["p99"], 3), "mean_ms": round(q["mean"], 3),
+                      "p50_vs_memory": round(q["p50"] / stats["memory"]["p50"], 2)} for name, q in stats.items()}
     wait_cost = results["replica_wait1"]["p50_ms"] - results["replica"]["p50_ms"]
     report = {
         "what": "latency of one round's session commit (5 tokens + ~2 KB chat meta), by durability level",

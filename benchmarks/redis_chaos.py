@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -32,31 +30,9 @@ sys.path.insert(0, str(HERE))
 from prompts import take  # noqa: E402
 from soak import machine, prepare_models  # noqa: E402
 from specdec import Client  # noqa: E402
-from specdec.launcher import Stack, _wait_port, free_port, redis_server_binary, spawn  # noqa: E402
+from specdec.launcher import Stack  # noqa: E402
 from specdec.loadtest import percentiles  # noqa: E402
-
-
-class AofRedis:
-    def __init__(self, directory: Path):
-        self.port, self.dir, self.proc = free_port(), directory, None
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = spawn([redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                           "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(self.dir)],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait_port(self.port, 30)
-        client = redis.Redis.from_url(self.url)
-        while True:  # until the append-only file is loaded
-            try:
-                client.ping()
-                return
-            except redis.BusyLoadingError:
-                time.sleep(0.05)
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
+from stacks import RedisProcess  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,9 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     scratch = Path(tempfile.mkdtemp(prefix="specdec-chaos-"))
     target, draft = prepare_models(a, scratch)
-    store = AofRedis(scratch / "redis")
-    store.dir.mkdir()
-    store.start()
+    store = RedisProcess(scratch / "redis", "--appendonly", "yes", "--appendfsync", "everysec").start()
     stack = Stack(target_model=target, draft_model=draft, redis_url=store.url, log_dir=scratch / "logs",
                   args={"coordinator": ["--redis-retry", str(a.redis_retry)]})
     print(f"chaos: starting the stack ({'tiny pair' if a.tiny else 'embedded pair'}); logs in {scratch}", flush=True)

@@ -1,4 +1,5 @@
-"""The two layouts of the local stack, and requests against it (one at a time, or c client threads).
+"""The two layouts of the local stack, requests against it (one at a time, or c client threads), and
+a private Redis that can be killed and brought back.
 
 - main: `specdec.launcher.Stack` as `specdec up` starts it (draft = the GGUF via llama.cpp);
 - pinned: the draft on one core with one llama.cpp thread, the target on another with one torch
@@ -9,16 +10,20 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis
+
 from measure import MemoryProbe, Request
 from specdec import Client
 from specdec.client import stats_dict
-from specdec.launcher import Stack
+from specdec.launcher import Stack, _wait_port, free_port, redis_server_binary, spawn
 
 CLIENT_TIMEOUT_S = 1800.0
 
@@ -31,6 +36,40 @@ class PinnedStack(Stack):
 
     def command(self, name: str) -> list[str]:
         return self.prefixes.get(name.split("#")[0], []) + super().command(name)
+
+
+class RedisProcess:
+    """A private redis-server on a loopback port with its data in `directory` (RDB snapshots off;
+    `args` are more flags). start() after kill() comes back on the same port and data, once its
+    append-only file has loaded."""
+
+    def __init__(self, directory: Path, *args: str):
+        self.port, self.dir, self.args, self.proc = free_port(), directory, args, None
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisProcess:
+        self.proc = spawn([redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                           "--dir", str(self.dir), *self.args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_port(self.port, 30)
+        client = redis.Redis.from_url(self.url)
+        while True:
+            try:
+                client.ping()
+                return self
+            except redis.BusyLoadingError:
+                time.sleep(0.05)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(20)
 
 
 def main_stack(log_dir: Path, device: str) -> Stack:
