@@ -4,10 +4,12 @@ and starting a stack whose logs are printed when it fails to come up."""
 from __future__ import annotations
 
 import grpc
+import pytest
 
+from specdec.client import build_input
 from specdec.launcher import Stack
 from specdec.launcher import scrape_metrics as scrape  # noqa: F401 - shared with the tests
-from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec.v1 import draft_pb2, draft_pb2_grpc, generation_pb2, target_pb2, target_pb2_grpc
 
 
 class ReferenceDecoder:
@@ -35,6 +37,27 @@ def start_stack(target: str, draft: str, log_dir, **kwargs) -> Stack:
             print(f"==== {log.name}\n{log.read_text()[-3000:]}")
         raise
     return stack
+
+
+def raw_stream(client, prompt, timeout_s: float = 300.0, **kwargs):
+    """The raw GenerateStream call of a `specdec.Client` (iterable, cancellable with .cancel(); no
+    retries); kwargs as for `build_input`."""
+    return client.stub.GenerateStream(generation_pb2.GenerateStreamRequest(input=build_input(prompt, **kwargs)),
+                                      timeout=timeout_s)
+
+
+def status_of(call) -> tuple[grpc.StatusCode, str]:
+    """The status code and details a call fails with (a stream is read until it fails)."""
+    with pytest.raises(grpc.RpcError) as err:
+        result = call()
+        if isinstance(result, grpc.Call):
+            list(result)
+    return err.value.code(), err.value.details()
+
+
+def committed(r, session_id: str) -> list[int]:
+    """A session's committed tokens, as Redis (client `r`) holds them."""
+    return [int(t) for t in r.lrange(f"specdec:session:{session_id}:ids", 0, -1)]
 
 
 def end_stream(stream) -> None:

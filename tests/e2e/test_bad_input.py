@@ -8,6 +8,7 @@ import math
 import grpc
 import pytest
 
+from stacks import status_of
 from specdec import Client
 from specdec.v1 import generation_pb2 as pb
 
@@ -18,12 +19,6 @@ pytestmark = pytest.mark.e2e
 def client(tiny_stack):
     with Client(tiny_stack.address("coordinator"), timeout_s=60) as c:
         yield c
-
-
-def status_of(call) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as err:
-        call()
-    return err.value.code(), err.value.details()
 
 
 @pytest.mark.parametrize(

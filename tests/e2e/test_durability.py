@@ -29,7 +29,7 @@ import pytest
 import redis
 
 from redis_servers import RedisServer, RedisUnavailable, SentinelCluster, TlsRedisServer
-from stacks import start_stack
+from stacks import committed, raw_stream, start_stack, status_of
 from specdec import Client
 from specdec.client import build_input
 from specdec.v1 import generation_pb2 as pb
@@ -77,17 +77,8 @@ def reference(hf_greedy):
     return hf_greedy(PROMPT, N)
 
 
-def committed(redis_client: redis.Redis, session_id: str) -> list[int]:
-    return [int(t) for t in redis_client.lrange(f"specdec:session:{session_id}:ids", 0, -1)]
-
-
 def client_for(stack, name: str = "coordinator", **kwargs) -> Client:
     return Client(stack.address(name), timeout_s=CALL_S, **kwargs)
-
-
-def raw_stream(client: Client, prompt, **kwargs):
-    return client.stub.GenerateStream(pb.GenerateStreamRequest(input=build_input(prompt, **kwargs)),
-                                      timeout=CALL_S)
 
 
 def take(stream, n_tokens: int, into: list[int]) -> str:
@@ -286,14 +277,6 @@ def tenants(stack):
     for c in clients.values():
         c.close()
     stack.stop("coordinator#tenants")
-
-
-def status_of(call) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as err:
-        result = call()
-        if isinstance(result, grpc.Call):
-            list(result)
-    return err.value.code(), err.value.details()
 
 
 def test_another_tenants_session_is_not_found(tenants):

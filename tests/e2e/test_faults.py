@@ -26,7 +26,7 @@ import grpc
 import pytest
 import redis
 
-from stacks import start_stack
+from stacks import raw_stream, start_stack
 from specdec import Client
 from specdec.client import build_input
 from specdec.launcher import free_port, redis_server_binary, wait_serving
@@ -133,12 +133,6 @@ def make_client(stack, name: str = "coordinator") -> Client:
     return Client(stack.address(name), timeout_s=CALL_S)
 
 
-def stream_call(client: Client, prompt, timeout_s: float = CALL_S, **kwargs):
-    """The raw streaming call (iterable, and cancellable with .cancel())."""
-    return client.stub.GenerateStream(pb.GenerateStreamRequest(input=build_input(prompt, **kwargs)),
-                                      timeout=timeout_s)
-
-
 def ids_of(chunks) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
 
@@ -194,7 +188,7 @@ def extra_coordinator(stack, name: str, extra_args: list[str], wait_s: float = 3
 def test_target_killed_mid_stream_and_restarted(healthy, hf_greedy):
     stack, n = healthy, 200
     with make_client(stack) as client:
-        call = stream_call(client, PROMPT, max_new_tokens=n, k=K)
+        call = raw_stream(client, PROMPT, max_new_tokens=n, k=K)
         before = [next(call) for _ in range(3)]
         assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED for c in before)
         old_pid = stack.processes["target"].pid
@@ -259,7 +253,7 @@ def test_coordinator_killed_mid_stream_session_continues(healthy, hf_greedy):
     stack = healthy
     received = []
     with make_client(stack) as client:
-        call = stream_call(client, PROMPT, max_new_tokens=300, k=K)
+        call = raw_stream(client, PROMPT, max_new_tokens=300, k=K)
         received += [next(call) for _ in range(3)]
         sid = received[0].session_id
         stack.stop("coordinator", signal.SIGKILL)
@@ -295,7 +289,7 @@ def test_coordinator_killed_mid_stream_session_continues(healthy, hf_greedy):
 def test_second_request_on_a_busy_session_is_refused(healthy, hf_greedy):
     stack, n = healthy, 100
     with make_client(stack) as client:
-        call = stream_call(client, PROMPT, max_new_tokens=n, k=K)
+        call = raw_stream(client, PROMPT, max_new_tokens=n, k=K)
         chunks = [next(call)]
         sid = chunks[0].session_id
         for rival in (lambda: client.stub.Generate(
@@ -326,7 +320,7 @@ def test_second_request_on_a_busy_session_is_refused(healthy, hf_greedy):
 def test_overload_is_resource_exhausted_immediately(healthy):
     stack, name = healthy, "coordinator#limited"
     with extra_coordinator(stack, name, ["--max-concurrent-requests", "1"]), make_client(stack, name) as client:
-        call = stream_call(client, PROMPT, max_new_tokens=300, k=K)
+        call = raw_stream(client, PROMPT, max_new_tokens=300, k=K)
         next(call)
         for other in (lambda: client.stub.Generate(
                           pb.GenerateRequest(input=build_input(OTHER, max_new_tokens=5)), timeout=20),
@@ -389,7 +383,7 @@ def test_deadline_exceeded_frees_the_session(healthy, hf_greedy):
 def test_draft_killed_mid_stream_degrades_to_k0(healthy, hf_greedy):
     stack, n = healthy, 50
     with make_client(stack) as client:
-        call = stream_call(client, OTHER, max_new_tokens=n, k=K)
+        call = raw_stream(client, OTHER, max_new_tokens=n, k=K)
         before = [next(call) for _ in range(3)]
         stack.stop("draft", signal.SIGKILL)
         after = list(call)
@@ -409,7 +403,7 @@ def test_draft_killed_mid_stream_degrades_to_k0(healthy, hf_greedy):
         fresh = client.generate(PROMPT, max_new_tokens=30, k=K)
         assert fresh.stats["drafted"] == 0 and fresh.stats["rounds"] == 30
         assert fresh.token_ids == hf_greedy(PROMPT, 30)
-        chunks = list(stream_call(client, [5], max_new_tokens=10, k=K, session_id=fresh.session_id))
+        chunks = list(raw_stream(client, [5], max_new_tokens=10, k=K, session_id=fresh.session_id))
         assert chunks[-1].stats.drafted == 0
         assert ids_of(chunks) == hf_greedy(PROMPT + fresh.token_ids + [5], 10)
 
@@ -447,7 +441,7 @@ def test_sigterm_drains_in_flight_streams(healthy_without_draft, hf_greedy):
     # long stream that is still running when the signal comes.
     stack, n = healthy_without_draft, 400
     with make_client(stack) as client:
-        call = stream_call(client, PROMPT, max_new_tokens=n, k=0)
+        call = raw_stream(client, PROMPT, max_new_tokens=n, k=0)
         chunks = [next(call) for _ in range(2)]
         proc = stack.processes["coordinator"]
         proc.send_signal(signal.SIGTERM)

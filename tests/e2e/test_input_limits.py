@@ -20,6 +20,7 @@ from coordinator.generation import (
     GenerationRequest,
     Limits,
 )
+from stacks import status_of
 from specdec import Client
 from specdec.client import build_input
 from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -122,12 +123,6 @@ def client(tiny_stack):
     with Client(tiny_stack.address("coordinator"), timeout_s=60) as c:
         assert c.describe().target.max_context == CONTEXT
         yield c
-
-
-def status_of(call) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as err:
-        call()
-    return err.value.code(), err.value.details()
 
 
 @pytest.mark.e2e

@@ -22,6 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pki import make_ca, make_leaf
+from stacks import status_of
 from specdec import Client
 from specdec.client import build_input
 from specdec.launcher import Stack, free_port, wait_serving
@@ -116,12 +117,6 @@ def stream(client: Client, prompt, metadata=None, **kwargs) -> list[pb.GenerateS
                                            metadata=metadata, timeout=120))
 
 
-def code_of(call) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as err:
-        call()
-    return err.value.code(), err.value.details()
-
-
 # ---- a. TLS + the right token ------------------------------------------------------------------
 
 def test_tls_client_with_token_generates(secure_stack, pki, client, hf_greedy):
@@ -152,10 +147,10 @@ def test_client_library_sends_the_token(secure_stack, pki, hf_greedy):
 
 def test_plaintext_client_fails(secure_stack):
     with Client(secure_stack.address("coordinator"), timeout_s=10) as plain:
-        code, details = code_of(lambda: plain.stub.Generate(
+        code, details = status_of(lambda: plain.stub.Generate(
             pb.GenerateRequest(input=build_input(IDS, max_new_tokens=2)), metadata=bearer(TOKENS[0]), timeout=10))
         assert code == grpc.StatusCode.UNAVAILABLE, (code, details)
-        code, details = code_of(lambda: list(plain.stub.GenerateStream(
+        code, details = status_of(lambda: list(plain.stub.GenerateStream(
             pb.GenerateStreamRequest(input=build_input(IDS, max_new_tokens=2)), metadata=bearer(TOKENS[0]),
             timeout=10)))
         assert code == grpc.StatusCode.UNAVAILABLE, (code, details)
@@ -185,7 +180,7 @@ def test_missing_or_wrong_token_is_unauthenticated(client, metadata):
                                                              timeout=10),
     }
     for method, call in calls.items():
-        code, details = code_of(call)
+        code, details = status_of(call)
         assert code == grpc.StatusCode.UNAUTHENTICATED, (method, code, details)
         assert "token" in details, details
 
@@ -228,10 +223,10 @@ def test_workers_require_client_certificate(secure_stack, pki):
         address = secure_stack.address(role)
         for what, credentials in (("no client certificate", no_cert), ("a rogue CA's certificate", rogue)):
             with grpc.secure_channel(address, credentials, options=name_override) as ch:
-                code, details = code_of(lambda: call(ch))
+                code, details = status_of(lambda: call(ch))
                 assert code == grpc.StatusCode.UNAVAILABLE, (role, what, code, details)
         with grpc.insecure_channel(address) as ch:
-            code, details = code_of(lambda: call(ch))
+            code, details = status_of(lambda: call(ch))
             assert code == grpc.StatusCode.UNAVAILABLE, (role, "plaintext", code, details)
         with grpc.secure_channel(address, good, options=name_override) as ch:
             info = call(ch).model
@@ -248,10 +243,10 @@ def test_logs_hold_no_prompt_text_nor_token(secure_stack, client):
     first = generate(client, text, token, max_new_tokens=4)
     generate(client, text, token, max_new_tokens=4, session_id=first.session_id, stop=[SECRET])
     for bad in ({"temperature": 1.0, "top_p": 1.5}, {"stop": [""]}, {"max_new_tokens": 10**6}):
-        code, _ = code_of(lambda: generate(client, text, token, **bad))
+        code, _ = status_of(lambda: generate(client, text, token, **bad))
         assert code == grpc.StatusCode.INVALID_ARGUMENT
-    code_of(lambda: generate(client, text, bearer(WRONG_TOKEN), max_new_tokens=2))
-    code_of(lambda: generate(client, text, bearer(TOKENS[0] + SECRET), max_new_tokens=2))
+    status_of(lambda: generate(client, text, bearer(WRONG_TOKEN), max_new_tokens=2))
+    status_of(lambda: generate(client, text, bearer(TOKENS[0] + SECRET), max_new_tokens=2))
     time.sleep(0.5)
     logs = {p.name: p.read_text(errors="replace") for p in secure_stack.log_dir.glob("*.log")}
     assert set(logs) >= {"coordinator.log", "draft.log", "target.log"}

@@ -19,7 +19,7 @@ from collections import defaultdict
 import pytest
 import redis
 
-from stacks import start_stack
+from stacks import committed, start_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.soak]
 
@@ -38,10 +38,6 @@ def stack(request, tmp_path_factory):
         stack = start_stack(*request.getfixturevalue("tiny_pair"), tmp_path_factory.mktemp("logs"))
     yield stack
     stack.down()
-
-
-def committed(r: redis.Redis, session_id: str) -> list[int]:
-    return [int(t) for t in r.lrange(f"specdec:session:{session_id}:ids", 0, -1)]
 
 
 def test_soak_no_errors_no_lost_or_duplicated_tokens(stack, tmp_path, capsys):
