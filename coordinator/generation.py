@@ -30,7 +30,7 @@ from specdec_core import metrics
 from specdec_core.errors import Aborted, Cancelled, FailedPrecondition, InvalidArgument, ResourceExhausted
 from specdec_core.limits import validate_request_id, validate_session_id
 from specdec_core.logs import log_context
-from specdec_core.sampling import SamplingConfig, validate_sampling
+from specdec_core.sampling import SamplingConfig, TokenLogprob, sampling_to_dict, validate_sampling
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,7 @@ class Chunk:
     completion_tokens: int = 0
     session_tokens: int = 0
     stats: RequestStats | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token id, when asked for
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,8 @@ class Generation:
         proposer, k_fixed = self._drafting(req)
         adaptive = AdaptiveK(max_k=k_fixed or self.limits.default_k) if req.adaptive and proposer else None
         overlap = self.limits.overlap if req.overlap is None else req.overlap
-        speculator = Speculator(session.session_id, req.sampling, session.seed, proposer, self.verifier,
+        sampling = replace(req.sampling, output_start=start + len(input_ids))  # penalties count from there
+        speculator = Speculator(session.session_id, sampling, session.seed, proposer, self.verifier,
                                 self._prefetch if overlap and proposer is self.proposer else None,
                                 req.min_draft_confidence)
         stop_ids = self.codec.eos_ids | set(req.stop_token_ids)
@@ -205,6 +207,7 @@ class Generation:
             text, keep = out.add(new_ids)
             if keep is not None:
                 new_ids, finish = new_ids[:keep], Finish.STOP_STRING
+            logprobs = rnd.logprobs[:len(new_ids)]
             generated += len(new_ids)
             if finish is None and generated >= max_new:
                 finish = Finish.LENGTH
@@ -224,12 +227,12 @@ class Generation:
                 ended = replace(record, finish=finish.value, end=len(session.token_ids) + len(new_ids))
             self.store.commit(session, new_ids, ended)  # before the client sees them
             if finish is None:
-                yield Chunk(session.session_id, text, new_ids)
+                yield Chunk(session.session_id, text, new_ids, logprobs=logprobs)
                 continue
             log.info("generated %d tokens (%s) in %d rounds, %.0f ms", generated, finish.value, stats.rounds,
                      stats.wall_ms)
             yield Chunk(session.session_id, text, new_ids, finish, len(input_ids), generated,
-                        len(session.token_ids), stats)
+                        len(session.token_ids), stats, logprobs)
             return
 
     def _begin(self, req: GenerationRequest, session: Session, record: RequestRecord | None
@@ -257,8 +260,7 @@ class Generation:
         if record is None:
             if req.seed is not None:
                 session.seed = req.seed
-            session.sampling = {"temperature": req.sampling.temperature, "top_k": req.sampling.top_k,
-                                "top_p": req.sampling.top_p}
+            session.sampling = sampling_to_dict(req.sampling)
             if req.messages is not None:
                 session.messages += [*req.messages, {"role": "assistant", "content": ""}]
             session.stats.requests += 1
@@ -336,7 +338,7 @@ class Generation:
                 raise InvalidArgument("stop", "stop strings must not be empty")
             if len(s) > MAX_STOP_CHARS:
                 raise InvalidArgument("stop", f"stop string {i} has {len(s)} characters; at most {MAX_STOP_CHARS}")
-        validate_sampling(req.sampling)
+        validate_sampling(req.sampling, vocab_size=self.limits.vocab_size)
         if req.max_new_tokens is not None and req.max_new_tokens < 1:
             raise InvalidArgument("max_new_tokens", f"must be >= 1, got {req.max_new_tokens}")
         k = req.num_speculative_tokens

@@ -29,7 +29,7 @@ from typing import Protocol
 
 from coordinator.cancel import CancelToken, call_cancel
 from specdec_core.errors import Cancelled, NotFound, ResourceExhausted, SpecdecError
-from specdec_core.sampling import SamplingConfig
+from specdec_core.sampling import SamplingConfig, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ class Verdict:
     next_token_id: int
     compute_ms: float = 0.0
     batch_size: int = 1
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per committed token, when asked for
 
 
 class Proposer(Protocol):
@@ -75,6 +76,7 @@ class Round:
     draft_ms: float
     verify_ms: float
     verify_batch_size: int = 1
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per new token, when asked for
 
 
 class Speculator:
@@ -127,6 +129,7 @@ class Speculator:
             draft_ms=(verify_started - started + done - verified) * 1e3,
             verify_ms=(verified - verify_started) * 1e3,
             verify_batch_size=verdict.batch_size,
+            logprobs=verdict.logprobs,
         )
 
     def _propose(self, committed_ids: list[int], k: int) -> Draft:

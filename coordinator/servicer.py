@@ -13,8 +13,8 @@ from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
 from specdec_core.errors import SpecdecError, grpc_errors
 from specdec_core.limits import validate_session_id
-from specdec_core.sampling import SamplingConfig
-from specdec_core.wire import sampling_from_proto, sampling_to_proto
+from specdec_core.sampling import sampling_from_dict
+from specdec_core.wire import logprobs_to_proto, sampling_from_proto, sampling_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,10 @@ def stats_to_proto(s: RequestStats | SessionStats) -> pb.SpeculationStats:
     )
 
 
-def chunk_to_proto(chunk: Chunk) -> pb.GenerateStreamResponse:
-    msg = pb.GenerateStreamResponse(session_id=chunk.session_id, text=chunk.text, token_ids=chunk.token_ids)
+def chunk_to_proto(chunk: Chunk, token_text=None) -> pb.GenerateStreamResponse:
+    """token_text: token id -> its text, for the log-probabilities."""
+    msg = pb.GenerateStreamResponse(session_id=chunk.session_id, text=chunk.text, token_ids=chunk.token_ids,
+                                    logprobs=logprobs_to_proto(chunk.logprobs, token_text))
     if chunk.finish is not None:
         msg.finish_reason = _FINISH[chunk.finish]
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=chunk.prompt_tokens, completion_tokens=chunk.completion_tokens,
@@ -93,31 +95,31 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     @grpc_errors
     def GenerateStream(self, request, context):
         for chunk in self._run(request, context):
-            yield chunk_to_proto(chunk)
+            yield chunk_to_proto(chunk, self.generation.codec.token_text)
 
     @grpc_errors
     def Generate(self, request, context):
-        text, ids, last = [], [], None
+        text, ids, logprobs, last = [], [], [], None
         for chunk in self._run(request, context):
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
+            logprobs.extend(chunk.logprobs)
             last = chunk
         return pb.GenerateResponse(
             session_id=last.session_id, text="".join(text), token_ids=ids, finish_reason=_FINISH[last.finish],
             usage=pb.Usage(prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
                            session_tokens=last.session_tokens),
-            stats=stats_to_proto(last.stats),
+            stats=stats_to_proto(last.stats), logprobs=logprobs_to_proto(logprobs, self.generation.codec.token_text),
         )
 
     @grpc_errors
     def GetSession(self, request, context):
         validate_session_id(request.session_id)
         s = self.generation.store.load(request.session_id, self.tenants(context))
-        sampling = s.sampling or {}
         return pb.GetSessionResponse(
             session_id=s.session_id, token_ids=s.token_ids,
             messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in s.messages],
-            sampling=sampling_to_proto(SamplingConfig(**sampling), s.seed), seed=s.seed,
+            sampling=sampling_to_proto(sampling_from_dict(s.sampling or {}), s.seed), seed=s.seed,
             stats=stats_to_proto(s.stats), version=s.version,
         )
 

@@ -31,6 +31,10 @@ class TextCodec:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (special tokens included), as log-probabilities report it."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
 
 class OutputText:
     """The text of a request's generated tokens, released as it becomes final.

@@ -34,7 +34,7 @@ from specdec_core.errors import (
     Unavailable,
 )
 from specdec_core.sampling import SamplingConfig
-from specdec_core.wire import sampling_to_proto
+from specdec_core.wire import logprobs_from_proto, sampling_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,8 @@ class TargetClient(WorkerClient):
             draft_distributions=[common_pb2.SparseDistribution(token_ids=i, probs=p) for i, p in draft.dists],
             sampling=sampling_to_proto(sampling), seed=seed,
         ))
-        return Verdict(response.num_accepted, response.next_token_id, response.compute_ms, response.batch_size)
+        return Verdict(response.num_accepted, response.next_token_id, response.compute_ms, response.batch_size,
+                       logprobs_from_proto(response.logprobs))
 
     def release(self, session_id: str) -> None:
         self.call(self.stub.ReleaseTargetCache, target_pb2.ReleaseTargetCacheRequest(session_id=session_id))

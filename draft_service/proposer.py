@@ -1,7 +1,7 @@
 """Proposing draft tokens with a model whose per-session KV cache follows the committed prefix.
 
-Greedy: the argmax at each step. Sampled: the draft's distribution after the same processing the
-target applies (temperature, top-k, top-p), truncated to its `sparse_top` most likely tokens; the
+Greedy: the argmax at each step (after the same penalties and bias the target applies). Sampled:
+the draft's distribution after the same processing the target applies, truncated to its `sparse_top` most likely tokens; the
 token is drawn from exactly that truncated distribution and the distribution is sent with it, so
 verification stays exact (DESIGN.md: a draft may propose from any distribution it likes).
 
@@ -26,11 +26,12 @@ from specdec_core.logs import short_id
 from specdec_core.sampling import (
     Purpose,
     SamplingConfig,
+    adjust_logits,
     keyed_uniform,
-    process_logits,
     sample_index,
     truncate_top,
     validate_sampling,
+    warp,
 )
 
 SparseDist = tuple[list[int], list[float]]
@@ -126,7 +127,8 @@ class ModelProposer:
         if d.k <= 0:
             return None
         position = len(d.task.committed_ids) + len(d.token_ids)
-        token, confidence, dist = self._choose(logits, d.task, position)
+        context = d.task.committed_ids + d.token_ids if d.task.sampling.adjusts_logits else ()
+        token, confidence, dist = self._choose(adjust_logits(logits[None], d.task.sampling, context)[0], d.task, position)
         if d.token_ids and confidence < d.task.min_confidence:
             return None
         d.token_ids.append(token)
@@ -135,7 +137,8 @@ class ModelProposer:
         return token if len(d.token_ids) < d.k else None
 
     def _choose(self, logits: torch.Tensor, task: ProposeTask, position: int) -> tuple[int, float, SparseDist | None]:
-        """(token, the draft's confidence, the sparse distribution the token was drawn from).
+        """(token, the draft's confidence, the sparse distribution the token was drawn from), from
+        logits [V] already penalised and biased.
 
         Confidence is the draft's largest probability at this position, known before the draw:
         stopping a block on it never conditions a sent token on its own value, which would bias
@@ -144,7 +147,7 @@ class ModelProposer:
             token = int(logits.argmax())
             confidence = float(torch.softmax(logits.double(), -1)[token]) if task.min_confidence > 0 else 1.0
             return token, confidence, None
-        ids, probs = truncate_top(process_logits(logits[None], task.sampling)[0], self.sparse_top)
+        ids, probs = truncate_top(warp(logits[None], task.sampling)[0], self.sparse_top)
         i = sample_index(torch.tensor(probs, dtype=torch.float64), keyed_uniform(task.seed, position, Purpose.DRAFT))
         return int(ids[i]), max(probs), (ids, probs)
 
@@ -155,7 +158,7 @@ class ModelProposer:
             raise InvalidArgument("committed_ids", "must not be empty")
         if task.num_tokens < 1:
             raise InvalidArgument("num_tokens", f"must be >= 1, got {task.num_tokens}")
-        validate_sampling(task.sampling)
+        validate_sampling(task.sampling, vocab_size=self.vocab_size)
         bad = [t for t in task.committed_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidArgument("committed_ids", f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")

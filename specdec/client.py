@@ -50,9 +50,16 @@ def build_input(
     min_draft_confidence: float = 0.0,
     session_id: str = "",
     request_id: str = "",
+    min_p: float = 0.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float | None = None,
+    logit_bias: dict[int, float] | None = None,
+    logprobs: int | None = None,
 ) -> pb.GenerationInput:
     """prompt: text (sent raw, or as one user message with chat=True), chat messages
-    ([{"role": ..., "content": ...}]), or token ids. request_id: makes retries idempotent."""
+    ([{"role": ..., "content": ...}]), or token ids. request_id: makes retries idempotent.
+    logprobs: report each token's log-probability and this many alternatives."""
     msg = pb.GenerationInput(session_id=session_id, stop=list(stop), stop_token_ids=list(stop_token_ids),
                              request_id=request_id)
     if isinstance(prompt, str):
@@ -64,13 +71,12 @@ def build_input(
         msg.messages.CopyFrom(pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in prompt]))
     else:
         msg.token_ids.ids.extend(prompt)
-    sampling = common_pb2.SamplingParams(top_k=top_k)
-    if temperature is not None:
-        sampling.temperature = temperature
-    if top_p is not None:
-        sampling.top_p = top_p
-    if seed is not None:
-        sampling.seed = seed
+    sampling = common_pb2.SamplingParams(top_k=top_k, min_p=min_p, presence_penalty=presence_penalty,
+                                         frequency_penalty=frequency_penalty, logit_bias=logit_bias or {})
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("seed", seed),
+                        ("repetition_penalty", repetition_penalty), ("logprobs", logprobs)):
+        if value is not None:
+            setattr(sampling, name, value)
     msg.sampling.CopyFrom(sampling)
     if max_new_tokens is not None:
         msg.max_new_tokens = max_new_tokens
@@ -115,43 +121,35 @@ class Client:
 
     def generate(self, prompt: Prompt, **kwargs) -> Result:
         request = pb.GenerateRequest(input=build_input(prompt, **_with_request_id(kwargs)))
-        retries = _Retries(self.retry_s)
+        retries = Retries(self.retry_s)
         while True:
             try:
                 r = self.stub.Generate(request, timeout=self.timeout_s)
                 break
             except grpc.RpcError as exc:
-                retries.after(exc)
+                time.sleep(retries.after(exc))
         return Result(r.session_id, r.text, list(r.token_ids), FINISH_REASONS.get(r.finish_reason, "unspecified"),
                       r.usage.prompt_tokens, r.usage.completion_tokens, stats_dict(r.stats))
 
     def stream(self, prompt: Prompt, **kwargs) -> Iterator[pb.GenerateStreamResponse]:
         """Yields chunks as rounds are committed; the last carries finish_reason, usage and stats."""
         request = pb.GenerateStreamRequest(input=build_input(prompt, **_with_request_id(kwargs)))
-        seen_ids = seen_chars = 0  # what this call has yielded, over all attempts
-        retries = _Retries(self.retry_s)
+        resume = StreamResume()
+        retries = Retries(self.retry_s)
         while True:
-            ids = chars = 0  # what this attempt has received
+            resume.new_attempt()
             try:
                 for chunk in self.stub.GenerateStream(request, timeout=self.timeout_s):
                     retries.recovered()  # a long stream may break late: the bound is per outage
-                    skip_ids, skip_chars = max(0, seen_ids - ids), max(0, seen_chars - chars)
-                    ids, chars = ids + len(chunk.token_ids), chars + len(chunk.text)
-                    if skip_ids or skip_chars:  # a retry replays the output from its start
-                        if ids <= seen_ids and chars <= seen_chars and not chunk.finish_reason:
-                            continue
-                        new = pb.GenerateStreamResponse()
-                        new.CopyFrom(chunk)
-                        del new.token_ids[:skip_ids]
-                        new.text = chunk.text[skip_chars:]
-                        chunk = new
-                    seen_ids, seen_chars = max(seen_ids, ids), max(seen_chars, chars)
+                    chunk = resume.unseen(chunk)
+                    if chunk is None:
+                        continue
                     yield chunk
                     if chunk.finish_reason:  # done, even if the stream breaks before its status arrives
                         return
                 return
             except grpc.RpcError as exc:
-                retries.after(exc)
+                time.sleep(retries.after(exc))
 
     def get_session(self, session_id: str) -> pb.GetSessionResponse:
         return self.stub.GetSession(pb.GetSessionRequest(session_id=session_id), timeout=self.timeout_s)
@@ -179,7 +177,35 @@ def _with_request_id(kwargs: dict) -> dict:
     return kwargs if kwargs.get("request_id") else {**kwargs, "request_id": uuid.uuid4().hex}
 
 
-class _Retries:
+class StreamResume:
+    """What of a retried stream is new: the server replays a retried request's output from its
+    start, and what earlier attempts yielded is cut off."""
+
+    def __init__(self):
+        self.seen_ids = self.seen_chars = 0  # what the call has yielded, over all attempts
+        self.ids = self.chars = 0  # what this attempt has received
+
+    def new_attempt(self) -> None:
+        self.ids = self.chars = 0
+
+    def unseen(self, chunk: pb.GenerateStreamResponse) -> pb.GenerateStreamResponse | None:
+        """chunk without what was yielded before (None if nothing is left of it)."""
+        skip_ids, skip_chars = max(0, self.seen_ids - self.ids), max(0, self.seen_chars - self.chars)
+        self.ids, self.chars = self.ids + len(chunk.token_ids), self.chars + len(chunk.text)
+        if skip_ids or skip_chars:
+            if self.ids <= self.seen_ids and self.chars <= self.seen_chars and not chunk.finish_reason:
+                return None
+            new = pb.GenerateStreamResponse()
+            new.CopyFrom(chunk)
+            del new.token_ids[:skip_ids]
+            del new.logprobs[:max(0, skip_ids - (len(chunk.token_ids) - len(chunk.logprobs)))]
+            new.text = chunk.text[skip_chars:]
+            chunk = new
+        self.seen_ids, self.seen_chars = max(self.seen_ids, self.ids), max(self.seen_chars, self.chars)
+        return chunk
+
+
+class Retries:
     """When a call is tried again: after UNAVAILABLE (the server or its store is briefly gone) or
     ABORTED (the request's own earlier attempt won a race with this one), with backoff, while the
     outage has lasted less than `retry_s`."""
@@ -192,14 +218,14 @@ class _Retries:
     def recovered(self) -> None:
         self.failing_since = None
 
-    def after(self, exc: grpc.RpcError) -> None:
-        """Sleep before the next attempt, or raise exc if there is to be none."""
+    def after(self, exc: grpc.RpcError) -> float:
+        """Seconds to wait before the next attempt, or raise exc if there is to be none."""
         self.failing_since = self.failing_since or time.monotonic()
         retryable = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
         if not retryable or time.monotonic() - self.failing_since >= self.retry_s:
             raise exc
-        time.sleep(min(2.0, 0.2 * 2 ** self.attempt))
         self.attempt += 1
+        return min(2.0, 0.2 * 2 ** (self.attempt - 1))
 
 
 class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):

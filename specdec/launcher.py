@@ -28,7 +28,8 @@ from pathlib import Path
 
 import grpc
 
-MODULES = {"draft": "draft_service", "target": "target_service", "coordinator": "coordinator"}
+MODULES = {"draft": "draft_service", "target": "target_service", "coordinator": "coordinator",
+           "openai": "openai_gateway"}
 
 
 def free_port() -> int:
@@ -123,6 +124,7 @@ class Stack:
     ports: dict[str, int] = field(default_factory=dict)
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     use_draft: bool = True
+    openai: bool = False  # also serve the OpenAI-compatible HTTP API (ports["openai"])
 
     def address(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
@@ -153,6 +155,8 @@ class Stack:
             cmd += ["--model", self.target_model, "--threads", str(threads.get("target", 0))]
         elif role == "draft":
             cmd += ["--model", self.draft_model, "--threads", str(threads["draft"])]
+        elif role == "openai":
+            cmd += ["--coordinator", self.address("coordinator"), "--log-level", "warning"]
         else:
             draft = self.address("draft") if self.use_draft else ""
             cmd += ["--target", self.address("target"), "--draft", draft, "--redis-url", self.redis_url,
@@ -169,8 +173,14 @@ class Stack:
             log = open(self.log_dir / f"{name}.log", "ab")
         self.processes[name] = spawn(self.command(name), stdout=log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        if wait_s:
+        if wait_s and name.startswith("openai"):
+            wait_http(f"http://{self.address(name)}/health/live", wait_s, self.processes[name], name)
+        elif wait_s:
             wait_serving(self.address(name), wait_s, self.processes[name], name)
+
+    def url(self, name: str = "openai") -> str:
+        """Base URL of the OpenAI-compatible API, as OpenAI's SDK takes it."""
+        return f"http://{self.address(name)}/v1"
 
     def up(self, wait_s: float = 600.0) -> None:
         """Redis, then the workers (in parallel: model loading is the slow part), then the coordinator."""
@@ -181,6 +191,8 @@ class Stack:
         for name in workers:
             wait_serving(self.address(name), wait_s, self.processes[name], name)
         self.start("coordinator", wait_s)
+        if self.openai:
+            self.start("openai", wait_s)
 
     def stop(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> None:
         """Signal the process and everything it started; SIGKILL them if it has not exited in time."""
@@ -201,9 +213,29 @@ class Stack:
         self.start(name, wait_s)
 
     def down(self) -> None:
-        order = {"coordinator": 0, "draft": 1, "target": 1, "redis": 2}
+        order = {"openai": 0, "coordinator": 0, "draft": 1, "target": 1, "redis": 2}
         for name in sorted(self.processes, key=lambda n: order.get(n.split("#")[0], 1)):
             self.stop(name)
+
+
+def wait_http(url: str, timeout_s: float, process: subprocess.Popen | None = None, name: str = "") -> None:
+    """Wait until GET url answers 200 (or the process dies)."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{name or url} exited with code {process.returncode} while starting")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name or url} not answering after {timeout_s:.0f} s")
+        time.sleep(0.1)
 
 
 def _wait_port(port: int, timeout_s: float) -> None:

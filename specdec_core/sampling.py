@@ -1,8 +1,14 @@
 """Logit processing that draft and target must apply identically, and keyed randomness.
 
-Processing order (as transformers' generate): temperature, then top-k, then top-p. Everything is
-done in float64 so that the probabilities the draft sends and the ones the target recomputes agree
-bit for bit when they come from the same numbers.
+Processing order: the repetition penalty (transformers' and vLLM's: every token anywhere in the
+context, input or output, has its logit divided by it when positive and multiplied by it when
+negative), then frequency and presence penalties (OpenAI's: each token generated so far by this
+request lowers its logit by frequency_penalty per occurrence plus presence_penalty once), then
+logit bias; then temperature, top-k, top-p and min-p (in transformers' order). Penalties depend on
+the tokens before each position, the draft tokens earlier in the same block included, so draft
+and target each apply them per position of the block. Everything is done in float64 so that the
+probabilities the draft sends and the ones the target recomputes agree bit for bit when they come
+from the same numbers.
 
 Randomness is keyed, not stateful: every draw is a pure function of (seed, absolute position,
 purpose), so a request's output does not depend on batching, retries or which replica served it.
@@ -14,9 +20,16 @@ import enum
 import hashlib
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+
+MAX_LOGPROBS = 20  # most alternatives reported per token (OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 1024  # most biased tokens per request
+MAX_BIAS = 100.0  # |bias| at most (OpenAI's range)
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| at most (OpenAI's range)
 
 
 @dataclass(frozen=True)
@@ -24,17 +37,91 @@ class SamplingConfig:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+    logprobs: int | None = None  # report the chosen token's log-probability and this many alternatives
+    output_start: int = 0  # position of the request's first generated token: what penalties count from
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether logits depend on the context (penalties) or are biased before anything else."""
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
+            or self.repetition_penalty != 1.0
+
 
 GREEDY = SamplingConfig()
 
 
-def process_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """Turn raw logits [N, V] into sampling probabilities [N, V] (float64), rows summing to 1."""
+def sampling_to_dict(cfg: SamplingConfig) -> dict:
+    """What a session records of a request's sampling (JSON-ready; `sampling_from_dict` reads it)."""
+    d = {name: getattr(cfg, name) for name in cfg.__dataclass_fields__ if name != "output_start"}
+    return {**d, "logit_bias": [list(pair) for pair in cfg.logit_bias]}
+
+
+def sampling_from_dict(d: dict) -> SamplingConfig:
+    """Records written before a field existed get its default."""
+    return SamplingConfig(**{**d, "logit_bias": tuple(tuple(pair) for pair in d.get("logit_bias", ()))})
+
+
+def adjust_logits(logits: torch.Tensor, cfg: SamplingConfig, tokens: Sequence[int] = ()) -> torch.Tensor:
+    """Penalties and logit bias. Row j of logits [N, V] scores the token after
+    tokens[:len(tokens) - N + 1 + j]: the last row follows all of `tokens`, and each earlier row
+    one token fewer (a verify block's rows follow the committed tokens plus 0..K draft tokens).
+    Returns logits unchanged (same tensor) when the config adjusts nothing, float64 otherwise."""
+    if not cfg.adjusts_logits:
+        return logits
+    rows, vocab = logits.shape
+    x = logits.to(torch.float64, copy=True)
+    base = len(tokens) - rows + 1  # row 0's context length
+    ids = torch.tensor(list(tokens), dtype=torch.long)
+    ids = ids.masked_fill(ids >= vocab, -1)  # ids this model does not score count for nothing
+    penalise_repeats = cfg.repetition_penalty != 1.0
+    count_output = cfg.presence_penalty != 0.0 or cfg.frequency_penalty != 0.0
+    seen = torch.zeros(vocab + 1, dtype=torch.bool)  # [V + 1]: the last slot takes the ignored ids
+    counts = torch.zeros(vocab + 1, dtype=torch.float64)
+    if penalise_repeats:
+        seen[ids[:base]] = True
+    if count_output and cfg.output_start < base:
+        counts += torch.bincount(ids[cfg.output_start:base] % (vocab + 1), minlength=vocab + 1)
+    for j in range(rows):
+        if j:  # the token between row j-1 and row j joins the context
+            token = int(ids[base + j - 1]) % (vocab + 1)
+            seen[token] = True
+            counts[token] += 1 if base + j - 1 >= cfg.output_start else 0
+        row = x[j]
+        if penalise_repeats:
+            mask = seen[:vocab]
+            row[mask] = torch.where(row[mask] > 0, row[mask] / cfg.repetition_penalty,
+                                    row[mask] * cfg.repetition_penalty)
+        if count_output:
+            c = counts[:vocab]
+            row -= cfg.frequency_penalty * c + cfg.presence_penalty * (c > 0)
+    if cfg.logit_bias:
+        bias_ids = torch.tensor([i for i, _ in cfg.logit_bias if i < vocab], dtype=torch.long)
+        x[:, bias_ids] += torch.tensor([b for i, b in cfg.logit_bias if i < vocab], dtype=torch.float64)
+    return x
+
+
+def greedy_tokens(logits: torch.Tensor, cfg: SamplingConfig, tokens: Sequence[int] = ()) -> torch.Tensor:
+    """The greedy choice [N] for each row of logits [N, V] (rows as in `adjust_logits`)."""
+    return adjust_logits(logits, cfg, tokens).argmax(dim=-1)
+
+
+def process_logits(logits: torch.Tensor, cfg: SamplingConfig, tokens: Sequence[int] = ()) -> torch.Tensor:
+    """Turn raw logits [N, V] into sampling probabilities [N, V] (float64), rows summing to 1.
+    Rows and `tokens` as in `adjust_logits` (needed only when the config has penalties)."""
+    return warp(adjust_logits(logits, cfg, tokens), cfg)
+
+
+def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p: adjusted logits [N, V] -> probabilities [N, V] (float64)."""
     if cfg.is_greedy:
         raise ValueError("greedy decoding has no sampling distribution; use argmax")
     x = logits.to(torch.float64) / cfg.temperature  # [N, V]
@@ -50,7 +137,39 @@ def process_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
+    if cfg.min_p > 0.0:  # keep tokens at least min_p times as likely as the most likely one
+        floor = cfg.min_p * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def log_probs(logits: torch.Tensor, cfg: SamplingConfig, tokens: Sequence[int] = ()) -> torch.Tensor:
+    """The log of the distribution tokens are chosen from [N, V] (float64): after every step of
+    processing when sampling; the log-softmax of the penalised, biased logits when greedy."""
+    if cfg.is_greedy:
+        return torch.log_softmax(adjust_logits(logits, cfg, tokens).to(torch.float64), dim=-1)
+    return process_logits(logits, cfg, tokens).log()
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A chosen token's log-probability and the `top` most likely tokens' (impossible ones left out)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logp: torch.Tensor, chosen: Sequence[int], top: int) -> list[TokenLogprob]:
+    """Row i of logp [N, V] is the distribution chosen[i] came from."""
+    out = []
+    values, ids = torch.topk(logp, min(top, logp.shape[-1]), dim=-1) if top else (None, None)
+    for i, token in enumerate(chosen):
+        alternatives = [] if ids is None else [
+            (int(t), float(v)) for t, v in zip(ids[i].tolist(), values[i].tolist()) if v != -math.inf]
+        out.append(TokenLogprob(int(token), float(logp[i, token]), alternatives))
+    return out
 
 
 class Purpose(enum.IntEnum):
@@ -107,7 +226,7 @@ def dense_from_sparse(token_ids: list[int], probs: list[float], vocab_size: int)
     return dense / dense.sum()
 
 
-def validate_sampling(cfg: SamplingConfig, field: str = "sampling") -> None:
+def validate_sampling(cfg: SamplingConfig, field: str = "sampling", vocab_size: int | None = None) -> None:
     """Raise InvalidArgument naming the offending field."""
     from specdec_core.errors import InvalidArgument
 
@@ -117,3 +236,24 @@ def validate_sampling(cfg: SamplingConfig, field: str = "sampling") -> None:
         raise InvalidArgument(f"{field}.top_k", f"must be >= 0, got {cfg.top_k}")
     if not (0.0 < cfg.top_p <= 1.0):  # also rejects NaN
         raise InvalidArgument(f"{field}.top_p", f"must be in (0, 1], got {cfg.top_p}")
+    if not 0.0 <= cfg.min_p <= 1.0:
+        raise InvalidArgument(f"{field}.min_p", f"must be in [0, 1], got {cfg.min_p}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(cfg, name)
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise InvalidArgument(f"{field}.{name}", f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+    if not (math.isfinite(cfg.repetition_penalty) and cfg.repetition_penalty > 0):
+        raise InvalidArgument(f"{field}.repetition_penalty", f"must be finite and > 0, got {cfg.repetition_penalty}")
+    if len(cfg.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidArgument(f"{field}.logit_bias", f"{len(cfg.logit_bias)} tokens; at most {MAX_LOGIT_BIAS}")
+    for token, bias in cfg.logit_bias:
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise InvalidArgument(f"{field}.logit_bias", f"token id {token} outside the vocabulary "
+                                                         f"[0, {vocab_size})")
+        if not -MAX_BIAS <= bias <= MAX_BIAS:  # also rejects NaN
+            raise InvalidArgument(f"{field}.logit_bias", f"bias of token {token} must be in "
+                                                         f"[-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias}")
+    if cfg.logprobs is not None and not 0 <= cfg.logprobs <= MAX_LOGPROBS:
+        raise InvalidArgument(f"{field}.logprobs", f"must be in 0..{MAX_LOGPROBS}, got {cfg.logprobs}")
+    if cfg.output_start < 0:
+        raise InvalidArgument(f"{field}.output_start", f"must be >= 0, got {cfg.output_start}")

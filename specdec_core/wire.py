@@ -4,7 +4,7 @@ protobuf)."""
 from __future__ import annotations
 
 from specdec.v1 import common_pb2
-from specdec_core.sampling import SamplingConfig
+from specdec_core.sampling import SamplingConfig, TokenLogprob
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingConfig:
@@ -12,14 +12,41 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingConfig:
         temperature=msg.temperature if msg.HasField("temperature") else 0.0,
         top_k=msg.top_k,
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        min_p=msg.min_p,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        output_start=msg.output_start,
     )
 
 
 def sampling_to_proto(cfg: SamplingConfig, seed: int | None = None) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+    msg = common_pb2.SamplingParams(
+        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
+        presence_penalty=cfg.presence_penalty, frequency_penalty=cfg.frequency_penalty,
+        repetition_penalty=cfg.repetition_penalty, logit_bias=dict(cfg.logit_bias),
+        output_start=cfg.output_start,
+    )
+    if cfg.logprobs is not None:
+        msg.logprobs = cfg.logprobs
     if seed is not None:
         msg.seed = seed
     return msg
+
+
+def logprobs_to_proto(logprobs: list[TokenLogprob], text=None) -> list[common_pb2.TokenLogprobs]:
+    """text: token id -> its text (the coordinator's tokenizer); None between workers."""
+    def one(token_id: int, logprob: float) -> common_pb2.Logprob:
+        return common_pb2.Logprob(token_id=token_id, logprob=logprob, token=text(token_id) if text else "")
+
+    return [common_pb2.TokenLogprobs(chosen=one(lp.token_id, lp.logprob), top=[one(t, v) for t, v in lp.top])
+            for lp in logprobs]
+
+
+def logprobs_from_proto(msgs) -> list[TokenLogprob]:
+    return [TokenLogprob(m.chosen.token_id, m.chosen.logprob, [(t.token_id, t.logprob) for t in m.top]) for m in msgs]
 
 
 def model_info_to_proto(backend, name: str, tensor_parallel_size: int = 1) -> common_pb2.ModelInfo:

@@ -6,7 +6,7 @@ from specdec.v1 import target_pb2, target_pb2_grpc
 from specdec_core.errors import grpc_errors
 from specdec_core.limits import validate_session_id
 from specdec_core.server import call_deadline
-from specdec_core.wire import model_info_to_proto, sampling_from_proto
+from specdec_core.wire import logprobs_to_proto, model_info_to_proto, sampling_from_proto
 from target_service.verifier import Verifier, VerifyTask
 
 
@@ -36,6 +36,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             prefill_tokens=result.prefill_tokens,
             compute_ms=result.compute_ms,
             batch_size=result.batch_size,
+            logprobs=logprobs_to_proto(result.logprobs),
         )
 
     @grpc_errors

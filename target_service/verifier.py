@@ -21,9 +21,12 @@ from specdec_core.logs import short_id
 from specdec_core.sampling import (
     Purpose,
     SamplingConfig,
+    TokenLogprob,
+    adjust_logits,
     dense_from_sparse,
     keyed_uniform,
     process_logits,
+    token_logprobs,
     validate_sampling,
 )
 from target_service.acceptance import verify_greedy, verify_sampled
@@ -47,6 +50,7 @@ class VerifyResult:
     prefill_tokens: int
     compute_ms: float
     batch_size: int = 1
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per committed token, when asked for
 
 
 class Verifier:
@@ -83,14 +87,14 @@ class Verifier:
             for (i, seq), rows in zip(leased, logits):
                 task = tasks[i]
                 n, k = len(task.committed_ids), len(task.draft_ids)
-                num_accepted, next_token = self._decide(task, rows[-(k + 1):], n)  # [K+1, V]
+                num_accepted, next_token, logprobs = self._decide(task, rows[-(k + 1):], n)  # [K+1, V]
                 self.caches.crop(seq, n + num_accepted)  # rejected drafts never stay cached
-                decided.append((i, num_accepted, next_token))
+                decided.append((i, num_accepted, next_token, logprobs))
         compute_ms = (time.perf_counter() - started) * 1e3
         metrics.FORWARD_SECONDS.labels("target").observe(compute_ms / 1e3)
         metrics.VERIFY_BATCH.observe(len(leased))
-        for i, num_accepted, next_token in decided:
-            results[i] = VerifyResult(num_accepted, next_token, prefill[i], compute_ms, len(leased))
+        for i, num_accepted, next_token, logprobs in decided:
+            results[i] = VerifyResult(num_accepted, next_token, prefill[i], compute_ms, len(leased), logprobs)
         return results
 
     def _admit(self, tasks: list[VerifyTask], leased: list[tuple[int, CachedSequence]],
@@ -105,23 +109,35 @@ class Verifier:
                     f"session is in use (capacity {self.caches.capacity} units); retry")
         return [item for item, ok in zip(leased, fits) if ok]
 
-    def _decide(self, task: VerifyTask, logits: torch.Tensor, n: int) -> tuple[int, int]:
+    def _decide(self, task: VerifyTask, logits: torch.Tensor, n: int) -> tuple[int, int, list[TokenLogprob]]:
+        """(accepted, next token, their log-probabilities if asked for) from the block's logits [K+1, V].
+        Row i follows the committed tokens and the first i draft tokens: penalties see both."""
+        cfg = task.sampling
         draft_ids = torch.tensor(task.draft_ids, dtype=torch.long)  # [K]
-        if task.sampling.is_greedy:
-            return verify_greedy(logits.argmax(dim=-1), draft_ids)
-        k = len(task.draft_ids)
-        p = process_logits(logits, task.sampling)  # [K+1, V]
-        q = torch.stack([dense_from_sparse(ids, probs, self.vocab_size) for ids, probs in task.draft_dists]) if k else p[:0]
-        accept_draws = [keyed_uniform(task.seed, n + i, Purpose.ACCEPT) for i in range(k)]
-        sample_draws = [keyed_uniform(task.seed, n + i, Purpose.TARGET) for i in range(k + 1)]
-        return verify_sampled(p, q, draft_ids, accept_draws, sample_draws)
+        context = task.committed_ids + task.draft_ids if cfg.adjusts_logits else ()
+        if cfg.is_greedy:
+            logits = adjust_logits(logits, cfg, context)
+            num_accepted, token = verify_greedy(logits.argmax(dim=-1), draft_ids)
+            p = None
+        else:
+            k = len(task.draft_ids)
+            p = process_logits(logits, cfg, context)  # [K+1, V]
+            q = torch.stack([dense_from_sparse(ids, probs, self.vocab_size) for ids, probs in task.draft_dists]) if k else p[:0]
+            accept_draws = [keyed_uniform(task.seed, n + i, Purpose.ACCEPT) for i in range(k)]
+            sample_draws = [keyed_uniform(task.seed, n + i, Purpose.TARGET) for i in range(k + 1)]
+            num_accepted, token = verify_sampled(p, q, draft_ids, accept_draws, sample_draws)
+        if cfg.logprobs is None:
+            return num_accepted, token, []
+        rows = slice(0, num_accepted + 1)
+        logp = torch.log_softmax(logits[rows].to(torch.float64), dim=-1) if p is None else p[rows].log()
+        return num_accepted, token, token_logprobs(logp, task.draft_ids[:num_accepted] + [token], cfg.logprobs)
 
     def _validate(self, task: VerifyTask) -> None:
         if not task.session_id:
             raise InvalidArgument("session_id", "must not be empty")
         if not task.committed_ids:
             raise InvalidArgument("committed_ids", "must not be empty")
-        validate_sampling(task.sampling)
+        validate_sampling(task.sampling, vocab_size=self.vocab_size)
         for name, ids in (("committed_ids", task.committed_ids), ("draft_ids", task.draft_ids)):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:

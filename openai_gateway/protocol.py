@@ -1,0 +1,336 @@
+"""OpenAI's request and response bodies <-> the public gRPC API's messages. Pure functions: no I/O.
+
+Requests are checked here for what gRPC cannot say in OpenAI's terms (types, `n`, the options this
+server does not offer); everything the coordinator checks anyway (ranges, lengths, token ids) is
+left to it, so that both APIs refuse the same input for the same reason.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+
+from specdec.client import DRAFT_METHODS
+from specdec.v1 import common_pb2
+from specdec.v1 import generation_pb2 as pb
+
+MAX_N = 16  # most choices per request (each is a session of its own)
+FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP_TOKEN: "stop",
+          pb.FINISH_REASON_STOP_STRING: "stop", pb.FINISH_REASON_CONTEXT: "length"}
+# Fields OpenAI defines that this server does not implement: refused, never silently ignored.
+UNSUPPORTED = {
+    "chat": ("tools", "functions", "tool_choice", "function_call", "audio", "prediction", "web_search_options"),
+    "completions": ("suffix", "echo", "best_of"),
+}
+
+
+class RequestError(Exception):
+    """A request OpenAI's API would refuse: HTTP status, message, the offending parameter."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def invalid(param: str, problem: str) -> RequestError:
+    return RequestError(400, f"{param}: {problem}", param)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One choice to generate: its gRPC input, its index in the response, and how to report it."""
+
+    index: int
+    input: pb.GenerationInput
+
+
+@dataclass(frozen=True)
+class Parsed:
+    kind: str  # "chat" or "completions"
+    model: str
+    jobs: list[Job]
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # alternatives per token when log-probabilities were asked for
+    keep_session: bool
+
+
+def parse(kind: str, body, served_model: str) -> Parsed:
+    """An OpenAI chat or completions request body -> the gRPC inputs of its choices."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model", "is required")
+    if model != served_model:
+        raise RequestError(404, f"The model `{model}` does not exist; this server serves `{served_model}`",
+                           "model", "model_not_found")
+    for name in UNSUPPORTED[kind]:
+        if body.get(name) not in (None, False, [], 1 if name == "best_of" else None):
+            raise invalid(name, "is not supported by this server")
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise invalid("response_format", "only {\"type\": \"text\"} is supported")
+    n = _int(body, "n", 1)
+    if not 1 <= n <= MAX_N:
+        raise invalid("n", f"must be in 1..{MAX_N}, got {n}")
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise invalid("stream_options", "must be an object")
+    include_usage = bool(options.get("include_usage")) and stream
+    session_id = _str(body, "session_id", "")
+    keep_session = _bool(body, "keep_session", False) or bool(session_id)
+    if keep_session and n > 1:
+        raise invalid("n", "a session continues one conversation: n must be 1 with session_id or keep_session")
+
+    template = pb.GenerationInput(session_id=session_id)
+    template.sampling.CopyFrom(_sampling(kind, body))
+    logprobs = template.sampling.logprobs if template.sampling.HasField("logprobs") else None
+    max_tokens = body.get("max_completion_tokens") if kind == "chat" else None
+    param = "max_completion_tokens" if max_tokens is not None else "max_tokens"
+    max_tokens = _int(body, param, None)
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise invalid(param, f"must be >= 1, got {max_tokens}")
+        template.max_new_tokens = max_tokens
+    template.stop.extend(_stop(body))
+    _speculation(body, template.speculation)
+
+    prompts = _chat_prompts(body) if kind == "chat" else _completion_prompts(body)
+    seed = template.sampling.seed if template.sampling.HasField("seed") else None
+    jobs = []
+    for p, prompt in enumerate(prompts):
+        for i in range(n):
+            msg = pb.GenerationInput()
+            msg.CopyFrom(template)
+            msg.MergeFrom(prompt)
+            msg.request_id = uuid.uuid4().hex  # each choice's retries are idempotent
+            if seed is not None:
+                msg.sampling.seed = (seed + i) % 2**64  # n choices of one seeded request differ
+            jobs.append(Job(p * n + i, msg))
+    return Parsed(kind, model, jobs, stream, include_usage, logprobs, keep_session)
+
+
+def _sampling(kind: str, body: dict) -> common_pb2.SamplingParams:
+    s = common_pb2.SamplingParams()
+    # OpenAI's default temperature is 1 (sampling); 0 is greedy.
+    s.temperature = _float(body, "temperature", 1.0)
+    for name in ("top_p", "repetition_penalty"):
+        if body.get(name) is not None:
+            setattr(s, name, _float(body, name, None))
+    s.top_k = max(0, _int(body, "top_k", 0))  # vLLM's -1 means off, as 0 does here
+    for name in ("min_p", "presence_penalty", "frequency_penalty"):
+        setattr(s, name, _float(body, name, 0.0))
+    if body.get("seed") is not None:
+        s.seed = _int(body, "seed", None) % 2**64
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict):
+        raise invalid("logit_bias", "must be an object mapping token ids to biases")
+    for token, value in bias.items():
+        try:
+            s.logit_bias[int(token)] = float(value)
+        except (TypeError, ValueError):
+            raise invalid("logit_bias", f"{token!r}: {value!r} is not a token id and a number") from None
+    if kind == "chat":
+        top = _int(body, "top_logprobs", None)
+        if _bool(body, "logprobs", False):
+            s.logprobs = top or 0
+        elif top is not None:
+            raise invalid("top_logprobs", "needs logprobs: true")
+    elif body.get("logprobs") is not None:
+        s.logprobs = _int(body, "logprobs", None)
+    return s
+
+
+def _speculation(body: dict, spec: pb.SpeculationParams) -> None:
+    """The `speculation` extension: {"method": "model"|"ngram"|"none", "num_speculative_tokens",
+    "adaptive", "overlap"}."""
+    given = body.get("speculation") or {}
+    if not isinstance(given, dict):
+        raise invalid("speculation", "must be an object")
+    method = given.get("method", "default")
+    if method not in DRAFT_METHODS:
+        raise invalid("speculation.method", f"must be one of {', '.join(DRAFT_METHODS)}")
+    spec.method = DRAFT_METHODS[method]
+    if given.get("num_speculative_tokens") is not None:
+        spec.num_speculative_tokens = _int(given, "num_speculative_tokens", None, "speculation.")
+    spec.adaptive = _bool(given, "adaptive", False, "speculation.")
+    if given.get("overlap") is not None:
+        spec.overlap = _bool(given, "overlap", True, "speculation.")
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise invalid("stop", "must be a string or a list of strings")
+
+
+def _chat_prompts(body: dict) -> list[pb.GenerationInput]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "must be a non-empty list")
+    out = pb.GenerationInput()
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise invalid(f"messages[{i}]", "must be an object")
+        role = m.get("role")
+        if role == "developer":  # OpenAI's newer name for system
+            role = "system"
+        out.messages.messages.add(role=role if isinstance(role, str) else "", content=_content(m.get("content"), i))
+    return [out]
+
+
+def _content(content, i: int) -> str:
+    """A message's text: a string, or a list of text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid(f"messages[{i}].content", "only text parts are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise invalid(f"messages[{i}].content", "must be a string or a list of text parts")
+
+
+def _completion_prompts(body: dict) -> list[pb.GenerationInput]:
+    """A prompt is text, or token ids; a list of them is a batch (one choice set per prompt)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise invalid("prompt", "must be a string, a list of token ids, or a non-empty list of either")
+    out = []
+    for p in prompt:
+        msg = pb.GenerationInput()
+        if isinstance(p, str):
+            msg.prompt = p
+        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            msg.token_ids.ids.extend(p)
+        else:
+            raise invalid("prompt", "each prompt must be a string or a non-empty list of token ids")
+        out.append(msg)
+    return out
+
+
+def _int(body: dict, name: str, default, prefix: str = ""):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise invalid(prefix + name, f"must be an integer, got {value!r}")
+    return int(value)
+
+
+def _float(body: dict, name: str, default, prefix: str = ""):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise invalid(prefix + name, f"must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _bool(body: dict, name: str, default: bool, prefix: str = "") -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(prefix + name, f"must be true or false, got {value!r}")
+    return value
+
+
+def _str(body: dict, name: str, default: str) -> str:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise invalid(name, f"must be a string, got {value!r}")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------
+# Responses
+
+
+def response_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def speculation(stats: list[pb.SpeculationStats]) -> dict:
+    """The `speculation` extension of a response: the choices' speculation stats, summed. Accepted
+    counts only draft tokens the target accepted (never the recovered or bonus token)."""
+    rounds = sum(s.rounds for s in stats)
+    drafted = sum(s.drafted for s in stats)
+    accepted = sum(s.accepted for s in stats)
+    return {
+        "rounds": rounds, "drafted_tokens": drafted, "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_accepted_length": (accepted + rounds) / rounds if rounds else 0.0,
+        "draft_ms": sum(s.draft_ms for s in stats), "verify_ms": sum(s.verify_ms for s in stats),
+        "wall_ms": max((s.wall_ms for s in stats), default=0.0),
+    }
+
+
+def _entry(lp: common_pb2.Logprob) -> dict:
+    return {"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode())}
+
+
+def chat_logprobs(logprobs) -> dict:
+    """OpenAI's chat `logprobs` object for some TokenLogprobs."""
+    return {"content": [{**_entry(t.chosen), "top_logprobs": [_entry(a) for a in t.top]} for t in logprobs]}
+
+
+def completion_logprobs(logprobs, offset: int) -> dict:
+    """The legacy completions `logprobs` object; offset: characters of text before these tokens."""
+    tokens = [t.chosen.token for t in logprobs]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": [t.chosen.logprob for t in logprobs],
+            "top_logprobs": [{a.token: a.logprob for a in t.top} for t in logprobs], "text_offset": offsets}
+
+
+def choice(kind: str, index: int, text: str, finish: str | None, logprobs, want_logprobs: bool,
+           offset: int = 0, delta: bool = False, first: bool = False) -> dict:
+    """One entry of `choices`: whole (delta=False) or a streamed chunk's."""
+    lp = None
+    if want_logprobs:
+        lp = chat_logprobs(logprobs) if kind == "chat" else completion_logprobs(logprobs, offset)
+    if kind == "completions":
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+    if delta:
+        body = {"role": "assistant", "content": text} if first else ({"content": text} if text or not finish else {})
+        return {"index": index, "delta": body, "logprobs": lp, "finish_reason": finish}
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+            "finish_reason": finish}
+
+
+def envelope(kind: str, rid: str, created: int, model: str, choices: list[dict], stream: bool) -> dict:
+    if kind == "chat":
+        obj = "chat.completion.chunk" if stream else "chat.completion"
+    else:
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
