@@ -102,7 +102,7 @@ def adjust_logits(logits: torch.Tensor, cfg: SamplingConfig, tokens: Sequence[in
                                     row[mask] * cfg.repetition_penalty)
         if count_output:
             c = counts[:vocab]
-            row -= cfg.frequency_penalty * c + cfg.presence_penalty * (c > 0)
+            row -= cfg.frequency_penalty * c + cfg.presence_penalty * (c > 0).to(torch.float64)
     if cfg.logit_bias:
         bias_ids = torch.tensor([i for i, _ in cfg.logit_bias if i < vocab], dtype=torch.long)
         x[:, bias_ids] += torch.tensor([b for i, b in cfg.logit_bias if i < vocab], dtype=torch.float64)

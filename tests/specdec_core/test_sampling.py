@@ -311,3 +311,107 @@ def test_validate_sampling_field_prefix():
 )
 def test_validate_sampling_accepts(cfg):
     assert validate_sampling(cfg) is None
+
+
+# ----------------------------------------------------------------------------------------------
+# Penalties, logit bias, min-p and log-probabilities, against transformers' own processors (an
+# independent implementation) and OpenAI's formula written out.
+
+
+def openai_penalised(row: torch.Tensor, context: list[int], output_start: int, cfg: SamplingConfig) -> torch.Tensor:
+    """One row by hand: transformers' repetition penalty over the whole context, then OpenAI's
+    frequency/presence penalties over the output part, then the bias."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    x = row.to(torch.float64)[None]
+    if cfg.repetition_penalty != 1.0 and context:
+        x = RepetitionPenaltyLogitsProcessor(cfg.repetition_penalty)(torch.tensor([context]), x)
+    x = x[0].clone()
+    for token in set(context[output_start:]):
+        count = context[output_start:].count(token)
+        x[token] -= cfg.frequency_penalty * count + cfg.presence_penalty
+    for token, bias in cfg.logit_bias:
+        x[token] += bias
+    return x
+
+
+PENALTY_CONFIGS = [
+    SamplingConfig(repetition_penalty=1.7),
+    SamplingConfig(repetition_penalty=0.6),
+    SamplingConfig(presence_penalty=1.5),
+    SamplingConfig(frequency_penalty=-0.8, presence_penalty=0.3),
+    SamplingConfig(logit_bias=((1, 5.0), (7, -100.0))),
+    SamplingConfig(repetition_penalty=1.3, frequency_penalty=0.9, presence_penalty=-0.4, logit_bias=((3, 2.5),)),
+]
+
+
+@pytest.mark.openai
+@pytest.mark.parametrize("output_start", [0, 3, 9])
+@pytest.mark.parametrize("cfg", PENALTY_CONFIGS, ids=str)
+def test_adjust_logits_rows_follow_their_own_context(cfg, output_start):
+    """Row j of a block follows the context plus the block's first j tokens; each row equals the
+    hand-written reference on exactly that context (so draft tokens earlier in a block count)."""
+    from specdec_core.sampling import adjust_logits
+
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 10, (12,), generator=gen).tolist()  # 12 tokens, repeats guaranteed
+    logits = torch.randn(5, 10, generator=gen) * 3  # rows follow tokens[:8] .. tokens[:12]
+    cfg = SamplingConfig(**{**cfg.__dict__, "output_start": output_start})
+    got = adjust_logits(logits, cfg, tokens)
+    for j in range(5):
+        context = tokens[:8 + j]
+        assert got[j].tolist() == pytest.approx(openai_penalised(logits[j], context, output_start, cfg).tolist(),
+                                                abs=1e-12)
+    assert not torch.equal(got, logits.to(torch.float64))  # the configs do change something
+
+
+def test_adjust_logits_is_the_identity_without_penalties():
+    from specdec_core.sampling import adjust_logits
+
+    logits = torch.randn(3, 10)
+    assert adjust_logits(logits, SamplingConfig(temperature=0.7, top_k=3, min_p=0.2), [1, 2, 3]) is logits
+
+
+@pytest.mark.openai
+@pytest.mark.parametrize("min_p", [0.05, 0.3, 0.9])
+def test_min_p_matches_transformers(min_p):
+    from transformers import MinPLogitsWarper
+
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(6, 20, generator=gen, dtype=torch.float64) * 2
+    cfg = SamplingConfig(temperature=0.8, min_p=min_p)
+    ours = process_logits(logits, cfg)
+    theirs = torch.softmax(MinPLogitsWarper(min_p)(None, logits / 0.8), dim=-1)
+    assert torch.allclose(ours, theirs, atol=1e-12, rtol=0)
+    assert bool(((ours > 0).sum(dim=-1) < 20).any())  # something was cut
+
+
+@pytest.mark.openai
+def test_log_probs_and_token_logprobs():
+    from specdec_core.sampling import log_probs, token_logprobs
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, 1.0]])
+    greedy = log_probs(logits, GREEDY)
+    assert torch.allclose(greedy, torch.log_softmax(logits.double(), -1))
+    sampled = log_probs(logits, SamplingConfig(temperature=1.0, top_k=2))
+    out = token_logprobs(sampled, [0, 1], top=3)
+    assert [t.token_id for t in out] == [0, 1]
+    assert out[0].logprob == pytest.approx(math.log(math.e ** 2 / (math.e ** 2 + math.e)))
+    assert [t for t, _ in out[0].top] == [0, 1]  # the impossible tokens are left out, not -inf
+    assert [t for t, _ in out[1].top] == [1, 2, 3] or [t for t, _ in out[1].top] == [1, 3, 2]  # ties with the k-th kept
+
+
+@pytest.mark.openai
+@pytest.mark.parametrize("cfg,field", [
+    (SamplingConfig(temperature=1.0, min_p=1.5), "sampling.min_p"),
+    (SamplingConfig(presence_penalty=2.5), "sampling.presence_penalty"),
+    (SamplingConfig(frequency_penalty=float("nan")), "sampling.frequency_penalty"),
+    (SamplingConfig(repetition_penalty=0.0), "sampling.repetition_penalty"),
+    (SamplingConfig(logit_bias=((5, 101.0),)), "sampling.logit_bias"),
+    (SamplingConfig(logit_bias=((50, 1.0),)), "sampling.logit_bias"),  # outside a 10-token vocabulary
+    (SamplingConfig(logprobs=21), "sampling.logprobs"),
+])
+def test_validate_new_sampling_fields(cfg, field):
+    with pytest.raises(InvalidArgument) as err:
+        validate_sampling(cfg, vocab_size=10)
+    assert err.value.field == field

@@ -419,3 +419,64 @@ def test_greedy_from_logits_like_the_verifier():
     logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 0.5], [0.0, 0.2, 0.1]])
     assert verify_greedy(logits.argmax(dim=-1), torch.tensor([1, 0])) == (2, 1)
     assert verify_greedy(logits.argmax(dim=-1), torch.tensor([1, 2])) == (1, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The same enumeration with the sampling parameters whose distribution depends on the tokens before
+# each position: every row of a block (target and draft) is processed with the context before it,
+# the block's earlier draft tokens included, as the verifier and the proposer do.
+
+PROMPT = (1, 3, 3, 0)  # the round starts after these; the request's output started at position 2
+PENALTY_CONFIGS = {
+    "rep1.5": SamplingConfig(temperature=1.0, repetition_penalty=1.5, output_start=2),
+    "freq0.9-pres0.6": SamplingConfig(temperature=1.0, frequency_penalty=0.9, presence_penalty=0.6, output_start=2),
+    "pres-1.2-k3": SamplingConfig(temperature=0.8, top_k=3, presence_penalty=-1.2, output_start=2),
+    "minp0.15-bias": SamplingConfig(temperature=1.2, min_p=0.15, logit_bias=((0, 1.5), (4, -2.0)), output_start=2),
+    "all": SamplingConfig(temperature=1.1, top_p=0.9, min_p=0.05, repetition_penalty=1.3, frequency_penalty=0.5,
+                          presence_penalty=0.4, logit_bias=((2, 0.7),), output_start=2),
+}
+
+
+def context_table(logits: dict[Prefix, torch.Tensor], cfg: SamplingConfig) -> Table:
+    """p(.|PROMPT + prefix) with the context-dependent processing, one prefix at a time."""
+    return {s: process_logits(x[None], cfg, PROMPT + s)[0] for s, x in logits.items()}
+
+
+@pytest.mark.openai
+@pytest.mark.parametrize("kind", ["sampled", "truncated", "same_as_target"])
+@pytest.mark.parametrize("cfg_name", list(PENALTY_CONFIGS))
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_round_output_is_exact_with_penalties_across_the_block(k, cfg_name, kind):
+    cfg = PENALTY_CONFIGS[cfg_name]
+    vocab = 5
+    t_logits = random_logits(vocab, k, 7 * k + list(PENALTY_CONFIGS).index(cfg_name))
+    d_logits = random_logits(vocab, k - 1, 500 + k)
+    p = context_table(t_logits, cfg)
+    if kind == "same_as_target":
+        q = {s: p[s] for s in d_logits}
+    else:
+        q = context_table(d_logits, cfg)
+        if kind == "truncated":
+            q = {s: dense_from_sparse(*truncate_top(row, 2), vocab) for s, row in q.items()}
+    emitted = round_output(p, q, vocab, k, accept_probabilities, impl_recover)
+    err = max_joint_error(p, emitted, vocab, k)
+    assert err <= TOL, f"round output differs from the target's joint by {err:.3e}"
+    # Penalties did depend on the block: some row differs from the same logits without its prefix.
+    plain = {s: process_logits(x[None], cfg, PROMPT)[0] for s, x in t_logits.items()}
+    if cfg.repetition_penalty != 1.0 or cfg.presence_penalty or cfg.frequency_penalty:
+        assert any(not torch.allclose(p[s], plain[s]) for s in p if s)
+
+
+@pytest.mark.openai
+def test_block_rows_equal_one_row_at_a_time():
+    """What the verifier computes for a block at once (rows [K+1, V] with the block as context)
+    equals each position computed alone with its own context: draft tokens earlier in the block
+    are penalised exactly as committed ones would be."""
+    cfg = PENALTY_CONFIGS["all"]
+    gen = torch.Generator().manual_seed(3)
+    committed, draft = [1, 3, 3, 0, 2], [2, 2, 4]
+    rows = torch.randn(len(draft) + 1, 5, generator=gen)
+    block = process_logits(rows, cfg, committed + draft)
+    for j in range(len(draft) + 1):
+        alone = process_logits(rows[j:j + 1], cfg, committed + draft[:j])[0]
+        assert torch.allclose(block[j], alone, atol=1e-15, rtol=0)
