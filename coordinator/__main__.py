@@ -87,8 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     service = pb.DESCRIPTOR.services_by_name["Generation"].full_name
     lanes = Lanes(frozenset({f"/{service}/Generate", f"/{service}/GenerateStream"}), work=cfg.max_concurrent_requests)
     server = create_server(lanes, interceptors)
-    workers = [w for w in (draft, target) if w is not None]
-    servicer = GenerationServicer(generation, workers, describe, Tenants(tokens))
+    servicer = GenerationServicer(generation, describe, Tenants(tokens))
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     serve(server, cfg.server, [service], readiness=lambda: _ready(store, target))
 

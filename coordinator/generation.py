@@ -27,7 +27,14 @@ from coordinator.sessions import DEFAULT_TENANT, RequestRecord, Session, Session
 from coordinator.tenancy import RequestQuota
 from coordinator.text import OutputText, TextCodec
 from specdec_core import metrics
-from specdec_core.errors import Aborted, Cancelled, FailedPrecondition, InvalidArgument, ResourceExhausted
+from specdec_core.errors import (
+    Aborted,
+    Cancelled,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    SpecdecError,
+)
 from specdec_core.limits import validate_request_id, validate_session_id
 from specdec_core.logs import log_context
 from specdec_core.sampling import SamplingConfig, TokenLogprob, sampling_to_dict, validate_sampling
@@ -76,6 +83,7 @@ class GenerationRequest:
     min_draft_confidence: float = 0.0
     session_id: str = ""
     request_id: str = ""  # makes retries idempotent; empty: none
+    end_session: bool = False  # end the session when the request has finished
 
     def fingerprint(self) -> str:
         """What a retry with the same request id must ask for again (the session is checked apart)."""
@@ -154,9 +162,25 @@ class Generation:
                 self.routes[session.session_id] = session.routes  # routed workers update it in place
                 try:
                     yield from self._run(req, session, record, is_cancelled)
+                except (Cancelled, GeneratorExit):  # the client has gone: nobody will continue a one-shot session
+                    if req.end_session:
+                        self.end(session)
+                    raise
                 finally:
                     if self.routes.get(session.session_id) is session.routes:  # not a later attempt's
                         del self.routes[session.session_id]
+            if req.end_session:  # after the lease: ending is what EndSession does
+                self.end(session)
+
+    def end(self, session: Session) -> None:
+        """Free a session's worker caches and delete its record (EndSession, or a one-shot request)."""
+        for worker in (self.proposer, self.verifier):
+            try:
+                if worker is not None and hasattr(worker, "release"):
+                    worker.release(session.session_id)
+            except SpecdecError as exc:  # caches are only caches; LRU frees them eventually
+                log.warning("could not release a cache: %s", exc)
+        self.store.delete(session)
 
     def _record(self, req: GenerationRequest, tenant: str) -> RequestRecord | None:
         """The record of an earlier attempt of this request, if any; INVALID_ARGUMENT if its id was

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 
 from coordinator.generation import Chunk, Finish, Generation, GenerationRequest, Method, RequestStats
@@ -11,12 +10,10 @@ from coordinator.tenancy import Tenants
 from coordinator.workers import request_deadline
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
-from specdec_core.errors import SpecdecError, grpc_errors
+from specdec_core.errors import grpc_errors
 from specdec_core.limits import validate_session_id
 from specdec_core.sampling import sampling_from_dict
 from specdec_core.wire import logprobs_to_proto, sampling_from_proto, sampling_to_proto
-
-log = logging.getLogger(__name__)
 
 _METHODS = {
     pb.DRAFT_METHOD_UNSPECIFIED: Method.DEFAULT,
@@ -52,6 +49,7 @@ def request_from_proto(msg: pb.GenerationInput) -> GenerationRequest:
         min_draft_confidence=spec.min_draft_confidence,
         session_id=msg.session_id,
         request_id=msg.request_id,
+        end_session=msg.end_session,
     )
 
 
@@ -80,10 +78,8 @@ def chunk_to_proto(chunk: Chunk, token_text=None) -> pb.GenerateStreamResponse:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, generation: Generation, workers: list, describe: pb.DescribeModelsResponse,
-                 tenants: Tenants | None = None):
+    def __init__(self, generation: Generation, describe: pb.DescribeModelsResponse, tenants: Tenants | None = None):
         self.generation = generation
-        self.workers = workers  # clients with .role and .release(session_id)
         self.describe = describe
         self.tenants = tenants or Tenants()
 
@@ -127,12 +123,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def EndSession(self, request, context):
         validate_session_id(request.session_id)
         session = self.generation.store.load(request.session_id, self.tenants(context))  # NOT_FOUND: not theirs
-        for worker in self.workers:
-            try:
-                worker.release(request.session_id)
-            except SpecdecError as exc:  # caches are only caches; LRU frees them eventually
-                log.warning("could not release %s cache: %s", worker.role, exc)
-        self.generation.store.delete(session)
+        self.generation.end(session)
         return pb.EndSessionResponse()
 
     @grpc_errors

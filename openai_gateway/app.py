@@ -5,7 +5,8 @@ Each choice is one gRPC call with a request id of its own, retried (idempotently
 appends nothing twice, and a stream resumes where it broke) while UNAVAILABLE or ABORTED last less
 than `retry_s`. A response starts only after the first chunk of every choice has arrived, so that a
 refused request gets its HTTP status; an error after that ends the event stream with an `error`
-event. A session the client did not ask to keep is ended once its response is complete.
+event. A session the client did not ask to keep is ended by the coordinator when its request ends
+(`end_session`).
 """
 
 from __future__ import annotations
@@ -188,12 +189,14 @@ class Gateway:
         try:
             results = await asyncio.gather(*(c.rest() for c in calls))
         except grpc.aio.AioRpcError as exc:
+            await asyncio.gather(*(c.cancel() for c in calls))
             return self._error_response(route, *rpc_error(exc))
-        finally:
-            self._end_sessions(parsed, calls)
-        body = protocol.envelope(kind, protocol.response_id(kind), protocol.now(), parsed.model, [
-            protocol.choice(kind, c.job.index, r.text, protocol.FINISH[r.finish_reason], r.logprobs,
-                            parsed.logprobs is not None) for c, r in zip(calls, results)], stream=False)
+        choices = [protocol.choice(kind, c.job.index, r.text, protocol.FINISH[r.finish_reason], r.logprobs,
+                                   parsed.logprobs is not None) for c, r in zip(calls, results)]
+        if parsed.return_token_ids:
+            for entry, r in zip(choices, results):
+                entry["token_ids"] = list(r.token_ids)
+        body = protocol.envelope(kind, protocol.response_id(kind), protocol.now(), parsed.model, choices, stream=False)
         body["usage"] = protocol.usage(sum(r.usage.prompt_tokens for r in results),
                                        sum(r.usage.completion_tokens for r in results))
         body["speculation"] = protocol.speculation([r.stats for r in results])
@@ -238,10 +241,12 @@ class Gateway:
                     return
                 finish = protocol.FINISH.get(chunk.finish_reason) if chunk.finish_reason else None
                 session_id = chunk.session_id
-                if chunk.text or finish or (want_lp and chunk.logprobs):
-                    yield sse(protocol.envelope(kind, rid, created, parsed.model, [
-                        protocol.choice(kind, c.job.index, chunk.text, finish, chunk.logprobs, want_lp,
-                                        offset=c.chars, delta=True)], stream=True))
+                if chunk.text or finish or (want_lp and chunk.logprobs) or (parsed.return_token_ids and chunk.token_ids):
+                    entry = protocol.choice(kind, c.job.index, chunk.text, finish, chunk.logprobs, want_lp,
+                                            offset=c.chars, delta=True)
+                    if parsed.return_token_ids:
+                        entry["token_ids"] = list(chunk.token_ids)
+                    yield sse(protocol.envelope(kind, rid, created, parsed.model, [entry], stream=True))
                     c.chars += len(chunk.text)
                 if finish:
                     stats.append(chunk.stats)
@@ -260,22 +265,6 @@ class Gateway:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*(c.cancel() for c in calls))
-            self._end_sessions(parsed, calls)
-
-    def _end_sessions(self, parsed: protocol.Parsed, calls: list[_Choice]) -> None:
-        """A session the client did not keep is ended (its record and worker caches freed), off the
-        response's path."""
-        if parsed.keep_session:
-            return
-        for c in calls:
-            if c.session_id:
-                asyncio.get_running_loop().create_task(self._end(c.session_id, c.metadata))
-
-    async def _end(self, session_id: str, metadata) -> None:
-        try:
-            await self.stub.EndSession(pb.EndSessionRequest(session_id=session_id), metadata=metadata, timeout=10)
-        except grpc.aio.AioRpcError as exc:  # it expires with the coordinator's --session-ttl anyway
-            log.info("could not end a session: %s", exc.code().name)
 
     def _count(self, route: str, status: int, started: float, tokens: int = 0) -> None:
         self.metrics.requests.labels(route, str(status)).inc()
@@ -297,7 +286,6 @@ class _Choice:
         self.job = job
         self.metadata = metadata
         self.request = pb.GenerateStreamRequest(input=job.input)
-        self.session_id = job.input.session_id
         self.chars = 0  # text streamed so far
         self._call = None
         self._first: pb.GenerateStreamResponse | None = None
@@ -327,7 +315,6 @@ class _Choice:
             try:
                 async for chunk in self._call:
                     self._retries.recovered()
-                    self.session_id = chunk.session_id or self.session_id
                     chunk = self._resume.unseen(chunk)
                     if chunk is not None:
                         yield chunk

@@ -58,6 +58,7 @@ class Parsed:
     include_usage: bool
     logprobs: int | None  # alternatives per token when log-probabilities were asked for
     keep_session: bool
+    return_token_ids: bool  # extension (as vLLM's): each choice also lists its token ids
 
 
 def parse(kind: str, body, served_model: str) -> Parsed:
@@ -89,7 +90,7 @@ def parse(kind: str, body, served_model: str) -> Parsed:
     if keep_session and n > 1:
         raise invalid("n", "a session continues one conversation: n must be 1 with session_id or keep_session")
 
-    template = pb.GenerationInput(session_id=session_id)
+    template = pb.GenerationInput(session_id=session_id, end_session=not keep_session)
     template.sampling.CopyFrom(_sampling(kind, body))
     logprobs = template.sampling.logprobs if template.sampling.HasField("logprobs") else None
     max_tokens = body.get("max_completion_tokens") if kind == "chat" else None
@@ -114,7 +115,8 @@ def parse(kind: str, body, served_model: str) -> Parsed:
             if seed is not None:
                 msg.sampling.seed = (seed + i) % 2**64  # n choices of one seeded request differ
             jobs.append(Job(p * n + i, msg))
-    return Parsed(kind, model, jobs, stream, include_usage, logprobs, keep_session)
+    return Parsed(kind, model, jobs, stream, include_usage, logprobs, keep_session,
+                  _bool(body, "return_token_ids", False))
 
 
 def _sampling(kind: str, body: dict) -> common_pb2.SamplingParams:
