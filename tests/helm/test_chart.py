@@ -77,6 +77,8 @@ def test_every_container_has_probes(releases, name):
                 assert probe in container, f"{workload['metadata']['name']}/{container['name']}: no {probe}"
             if component == "redis":
                 continue
+            if container["name"] == "openai":  # HTTP: see test_openai_gateway_beside_each_coordinator
+                continue
             # Probes use the plaintext health port (threads of its own; Kubernetes' gRPC probes
             # speak no TLS); liveness asks "liveness", which a dependency outage does not turn off.
             probed_port = port_named(container, "health")
@@ -119,6 +121,8 @@ def test_network_policies_guard_the_right_pods(releases, name):
             peers = {"coordinator", "redis"} if redis_mode == "sentinel" else {"coordinator"}
         else:
             ports, peers = [port_named(release.container(component), "grpc")], {"coordinator"}
+        if component == "coordinator" and release.values["openai"]["enabled"]:
+            ports.append(release.pod_ports("coordinator")["http"])  # the OpenAI-compatible API
         rule = policy["spec"]["ingress"][0]
         assert rule["ports"] == [{"port": port, "protocol": "TCP"} for port in ports]
         if component == "coordinator":
@@ -192,7 +196,8 @@ def test_services_reach_named_container_ports(releases, name):
     release = releases[name]
     for service in release.of_kind("Service"):
         component = component_of(service)
-        assert {p["targetPort"] for p in service["spec"]["ports"]} <= set(release.pod_ports(component))
+        pods = "coordinator" if component == "openai" else component  # the gateway lives in coordinator pods
+        assert {p["targetPort"] for p in service["spec"]["ports"]} <= set(release.pod_ports(pods))
 
 
 def test_models_from_a_volume_are_mounted_read_only(releases):
@@ -317,3 +322,48 @@ def test_coordinator_overlap_follows_the_values(chart, overlap):
     release = Release(chart.merge_values(values), chart.render(values, name=RELEASE, namespace=NAMESPACE))
     flags = flags_of(release.container("coordinator")["args"])
     assert ("overlap" in flags, "no-overlap" in flags) == (overlap, not overlap)
+
+
+@pytest.mark.parametrize("name", SET_NAMES)
+def test_openai_gateway_beside_each_coordinator(releases, name):
+    """The OpenAI-compatible API: an `openai` container in each coordinator pod, calling its own
+    coordinator over localhost (TLS with the public certificate when tls.public), HTTP probes, and
+    a Service of its own that the network policy lets through."""
+    release = releases[name]
+    values = release.values
+    containers = {c["name"]: c for c in release.pod_spec("coordinator")["containers"]}
+    if not values["openai"]["enabled"]:
+        assert "openai" not in containers
+        return
+    gateway = containers["openai"]
+    assert gateway["command"] == ["python", "-m", "openai_gateway"]
+    args = gateway["args"]
+    assert f"--coordinator=127.0.0.1:{values['coordinator']['port']}" in args
+    http = port_named(gateway, "http")
+    assert http == values["openai"]["port"]
+    tls = values["tls"]["enabled"] and values["tls"]["public"]["existingSecret"]
+    scheme = "HTTPS" if tls else "HTTP"
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": scheme}
+    for probe in ("startupProbe", "livenessProbe"):
+        assert gateway[probe]["httpGet"] == {"path": "/health/live", "port": "http", "scheme": scheme}
+    assert ("--coordinator-tls" in args) == bool(tls)
+    if tls:
+        mounted = {m["mountPath"] for m in gateway["volumeMounts"]}
+        cert = next(a for a in args if a.startswith("--tls-cert=")).split("=", 1)[1]
+        ca = next(a for a in args if a.startswith("--coordinator-tls-ca=")).split("=", 1)[1]
+        assert cert.rsplit("/", 1)[0] in mounted and ca.rsplit("/", 1)[0] in mounted
+        volumes = {v["name"]: v for v in release.pod_spec("coordinator")["volumes"]}
+        assert volumes["tls-public-ca"]["secret"]["optional"] is True
+    (service,) = [s for s in release.of_kind("Service") if s["metadata"]["name"].endswith("-openai")]
+    assert matches(service["spec"]["selector"], release.pod_labels("coordinator"))
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+    policies = [p for p in release.of_kind("NetworkPolicy") if component_of(p) == "coordinator"]
+    for policy in policies:
+        assert {"port": http, "protocol": "TCP"} in policy["spec"]["ingress"][0]["ports"]
+
+
+def test_openai_gateway_can_be_turned_off(chart):
+    values = {"openai": {"enabled": False}}
+    release = Release(chart.merge_values(values), chart.render(values, name=RELEASE, namespace=NAMESPACE))
+    assert [c["name"] for c in release.pod_spec("coordinator")["containers"]] == ["coordinator"]
+    assert not [s for s in release.of_kind("Service") if s["metadata"]["name"].endswith("-openai")]

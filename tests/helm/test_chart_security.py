@@ -106,6 +106,10 @@ def test_secret_file_flags_point_at_mounted_secret_files(releases, name):
         secrets = {v["name"] for v in pod["volumes"] if "secret" in v}
         used = {m["name"] for m in container["volumeMounts"]
                 if any(PurePosixPath(flags[f]).parent == PurePosixPath(m["mountPath"]) for f in got)}
+        for gateway in (c for c in pod["containers"] if c["name"] == "openai"):  # HTTPS, and the coordinator's CA
+            files = [PurePosixPath(v).parent for f, v in flags_of(gateway["args"]).items()
+                     if f in ("tls-cert", "tls-key", "coordinator-tls-ca")]
+            used |= {m["name"] for m in gateway.get("volumeMounts", []) if PurePosixPath(m["mountPath"]) in files}
         assert secrets == used, f"{component}: mounted but unused: {secrets - used}"
         for volume in pod["volumes"]:
             if "secret" in volume:
