@@ -59,6 +59,8 @@ def parser() -> argparse.ArgumentParser:
                        description="Run Redis, draft, target and coordinator locally until Ctrl-C, SIGTERM or "
                                    "SIGHUP, which stop all of them (and whatever they started).")
     _stack_flags(u)
+    u.add_argument("--openai-port", type=int, default=8000,
+                   help="port of the OpenAI-compatible HTTP API (default 8000; 0: do not start it)")
     u.set_defaults(func=cmd_up)
 
     d = sub.add_parser("demo", help="start the local stack, answer a prompt with and without speculation")
@@ -185,9 +187,13 @@ def _start_stack(a: argparse.Namespace):
     stack = Stack(target_model=a.target_model, draft_model=a.draft_model, redis_url=os.environ.get("REDIS_URL", ""),
                   redis_data=a.redis_data, log_dir=log_dir, args={"draft": ["--backend", a.draft_backend]})
     stack.ports["coordinator"] = a.port
+    if getattr(a, "openai_port", 0):
+        stack.openai = True
+        stack.ports["openai"] = a.openai_port
     print(f"specdec: preparing models (first run converts the GGUF once, ~1 min); logs in {log_dir}", file=sys.stderr)
     _prepare_models(a.target_model, a.draft_model, a.draft_backend)
-    print("specdec: starting redis, draft, target and coordinator ...", file=sys.stderr)
+    print(f"specdec: starting redis, draft, target and coordinator{' and the OpenAI gateway' if stack.openai else ''} ...",
+          file=sys.stderr)
     started = time.perf_counter()
     try:
         stack.up()
@@ -213,6 +219,8 @@ def cmd_up(a: argparse.Namespace) -> int:
     stack = _start_stack(a)
     print(f"specdec: try  specdec generate --address {stack.address('coordinator')} \"Hello!\"   (Ctrl-C stops)",
           file=sys.stderr)
+    if stack.openai:
+        print(f"specdec: OpenAI-compatible API at {stack.url()} (model: see {stack.url()}/models)", file=sys.stderr)
     try:
         while all(p.poll() is None for p in stack.processes.values()):
             time.sleep(0.5)

@@ -75,7 +75,8 @@ def test_a_signal_to_specdec_up_leaves_no_process_of_the_stack(sig, tiny_pair, t
     stderr = open(tmp_path / "up.err", "wb")
     up = subprocess.Popen(
         [sys.executable, "-m", "specdec.cli", "up", "--target-model", target, "--draft-model", draft,
-         "--draft-backend", "transformers", "--port", str(port), "--log-dir", str(tmp_path / "logs")],
+         "--draft-backend", "transformers", "--port", str(port), "--openai-port", str(free_port()),
+         "--log-dir", str(tmp_path / "logs")],
         stdout=subprocess.DEVNULL, stderr=stderr, env=env,
     )
     pids: dict[int, str] = {}
@@ -86,7 +87,7 @@ def test_a_signal_to_specdec_up_leaves_no_process_of_the_stack(sig, tiny_pair, t
             assert up.poll() is None and time.monotonic() < deadline, (tmp_path / "up.err").read_text()
             time.sleep(0.1)
         pids = _descendants(up.pid)
-        assert len(pids) >= 4, pids  # redis-server, draft, target, coordinator
+        assert len(pids) >= 5, pids  # redis-server, draft, target, coordinator, the OpenAI gateway
         up.send_signal(sig)
         code = up.wait(timeout=120)
         if sig != signal.SIGKILL:
