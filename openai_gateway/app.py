@@ -197,8 +197,9 @@ class Gateway:
             for entry, r in zip(choices, results):
                 entry["token_ids"] = list(r.token_ids)
         body = protocol.envelope(kind, protocol.response_id(kind), protocol.now(), parsed.model, choices, stream=False)
-        body["usage"] = protocol.usage(sum(r.usage.prompt_tokens for r in results),
-                                       sum(r.usage.completion_tokens for r in results))
+        body["usage"] = protocol.usage(  # a prompt counts once, however many choices it has (as OpenAI's)
+            sum(r.usage.prompt_tokens for c, r in zip(calls, results) if c.job.index % parsed.n == 0),
+            sum(r.usage.completion_tokens for r in results))
         body["speculation"] = protocol.speculation([r.stats for r in results])
         if parsed.keep_session:
             body["session_id"] = results[0].session_id
@@ -250,7 +251,7 @@ class Gateway:
                     c.chars += len(chunk.text)
                 if finish:
                     stats.append(chunk.stats)
-                    prompt_tokens += chunk.usage.prompt_tokens
+                    prompt_tokens += chunk.usage.prompt_tokens if c.job.index % parsed.n == 0 else 0
                     completion_tokens += chunk.usage.completion_tokens
             if parsed.include_usage:
                 last = protocol.envelope(kind, rid, created, parsed.model, [], stream=True)

@@ -54,6 +54,7 @@ class Parsed:
     kind: str  # "chat" or "completions"
     model: str
     jobs: list[Job]
+    n: int  # choices per prompt
     stream: bool
     include_usage: bool
     logprobs: int | None  # alternatives per token when log-probabilities were asked for
@@ -115,7 +116,7 @@ def parse(kind: str, body, served_model: str) -> Parsed:
             if seed is not None:
                 msg.sampling.seed = (seed + i) % 2**64  # n choices of one seeded request differ
             jobs.append(Job(p * n + i, msg))
-    return Parsed(kind, model, jobs, stream, include_usage, logprobs, keep_session,
+    return Parsed(kind, model, jobs, n, stream, include_usage, logprobs, keep_session,
                   _bool(body, "return_token_ids", False))
 
 

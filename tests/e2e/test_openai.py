@@ -137,6 +137,7 @@ def test_seed_reproducible_and_n_choices(sdk, model):
     assert three.choices[0].message.content == first.choices[0].message.content  # choice i uses seed + i
     many = completion(sdk, model, IDS, seed=7, n=3, max_tokens=5, temperature=1.0)
     assert many.usage.completion_tokens == sum(len(c.model_extra["token_ids"]) for c in many.choices) == 15
+    assert many.usage.prompt_tokens == len(IDS)  # the prompt counts once, as OpenAI counts it
 
 
 def test_session_kept_and_continued(sdk, model, grpc_client):
