@@ -5,7 +5,8 @@ that nobody here wrote. One run, one stack (Redis, draft, target, coordinator, g
    (GenerateStream, the specdec client) and through HTTP (the gateway's server-sent events, read a
    line at a time and JSON-decoded, as clients read them), in alternation, with K = 0 so that every round sends a chunk of one
    token: the most chunks, so the most transport cost, per token. Overhead per token = the median
-   over pairs of (HTTP wall time - gRPC wall time) / tokens.
+   over pairs of (HTTP wall time - gRPC wall time) / tokens; and, less noisy, the gateway process's
+   own CPU time per streamed token.
 2. Load with locust's HTTP user (benchmarks/openai_locustfile.py): streamed chat completions,
    `--users` at once for `--load-seconds`; then the same load over gRPC (`specdec loadtest`).
 3. Load with guidellm (a standard LLM serving benchmark, vLLM's project), when `--guidellm` names
@@ -41,7 +42,11 @@ import openai  # noqa: E402
 from specdec import Client  # noqa: E402
 from specdec.launcher import Stack  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from prompts import CHAT  # noqa: E402
+
 PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+LOAD_PROMPTS = CHAT  # the benchmark's chat set: both load runs send these, in this order
 
 
 def overhead(stack: Stack, pairs: int, tokens: int) -> dict:
@@ -72,10 +77,16 @@ def overhead(stack: Stack, pairs: int, tokens: int) -> dict:
 
         for warm in (by_grpc, by_http):
             warm()
-        grpc_s, http_s, per_token, counts = [], [], [], []
+        gateway = stack.processes["openai"].pid
+        grpc_s, http_s, per_token, counts, cpu_s = [], [], [], [], []
         for i in range(pairs):
             order = (by_grpc, by_http) if i % 2 == 0 else (by_http, by_grpc)  # neither always goes first
-            result = {f: f() for f in order}
+            result = {}
+            for f in order:
+                cpu = cpu_seconds(gateway)
+                result[f] = f()
+                if f is by_http:
+                    cpu_s.append(cpu_seconds(gateway) - cpu)
             (g, g_tokens, g_chunks), (h, h_tokens, h_chunks) = result[by_grpc], result[by_http]
             if g_tokens != h_tokens:
                 raise AssertionError(f"different outputs: {g_tokens} vs {h_tokens} tokens")
@@ -86,8 +97,12 @@ def overhead(stack: Stack, pairs: int, tokens: int) -> dict:
             print(f"  pair {i + 1}/{pairs}: grpc {g * 1e3:.0f} ms, http {h * 1e3:.0f} ms, "
                   f"{(h - g) / g_tokens * 1e3:+.3f} ms/token", file=sys.stderr)
     deciles = statistics.quantiles(per_token, n=10)
+    tokens_total = sum(c[0] for c in counts)
     return {
         "http_stream_overhead_ms_per_token": statistics.median(per_token),
+        # What the gateway itself spends per streamed token (its process's CPU time over the HTTP
+        # requests): on a busy machine, the cost every token pays; far less noisy than wall times.
+        "gateway_cpu_ms_per_token": sum(cpu_s) / tokens_total * 1e3,
         "overhead_ms_per_token_p10_p90": [deciles[0], deciles[-1]],
         "grpc_ms_per_token_median": statistics.median(grpc_s) / counts[0][0] * 1e3,
         "http_ms_per_token_median": statistics.median(http_s) / counts[0][0] * 1e3,
@@ -96,14 +111,22 @@ def overhead(stack: Stack, pairs: int, tokens: int) -> dict:
     }
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def locust_load(stack: Stack, users: int, seconds: int, max_tokens: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         prefix = str(Path(tmp) / "run")
+        prompts = Path(tmp) / "prompts.txt"
+        prompts.write_text("\n".join(LOAD_PROMPTS) + "\n")
         subprocess.run([sys.executable, "-m", "locust", "-f", str(ROOT / "benchmarks/openai_locustfile.py"),
                         "--host", f"http://{stack.address('openai')}", "--headless", "-u", str(users),
                         "-r", str(users), "-t", f"{seconds}s", "--csv", prefix, "--only-summary",
                         "--loglevel", "WARNING"], check=False, cwd=ROOT,
-                       env={**os.environ, "MAX_TOKENS": str(max_tokens)})
+                       env={**os.environ, "MAX_TOKENS": str(max_tokens), "PROMPTS_FILE": str(prompts)})
         with open(prefix + "_stats.csv") as f:
             rows = {r["Name"]: r for r in csv.DictReader(f)}
     whole, ttft = rows["chat (stream)"], rows["ttft"]
@@ -121,10 +144,13 @@ def grpc_load(stack: Stack, users: int, seconds: int, max_tokens: int) -> dict:
     """The same load over gRPC (`specdec loadtest`), for comparison."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "grpc.json"
+        prompts = Path(tmp) / "prompts.txt"
+        prompts.write_text("\n".join(LOAD_PROMPTS) + "\n")
         subprocess.run([sys.executable, "-c", "from specdec.cli import main; main()", "loadtest",
                         "--address", stack.address("coordinator"), "-u", str(users), "-r", str(users),
                         "-t", str(seconds), "--max-new-tokens", str(max_tokens), "--json", str(out),
-                        "--progress-interval", "0"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+                        "--prompts-file", str(prompts), "--progress-interval", "0"],
+                       check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         s = json.loads(out.read_text())
     return {"tool": "specdec loadtest over gRPC", "users": users, "seconds": seconds, "max_tokens": max_tokens,
             "requests": s["requests"], "failures": s["failed"], "tokens_per_s": s["tokens"] / seconds,

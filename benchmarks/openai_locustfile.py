@@ -6,7 +6,8 @@ sends them (server-sent events over HTTP/1.1; nothing specdec-specific).
 Request names: `chat (stream)` is the whole call (response_length: the tokens generated), `ttft`
 the time to the first content chunk, `response headers` the time to the HTTP response. A call fails on an HTTP error, an `error` event in the stream, or a stream
 that ends without `[DONE]`. Settings come from the environment: OPENAI_MODEL (default: the first
-of /v1/models), OPENAI_API_KEY, MAX_TOKENS (64), TEMPERATURE (0).
+of /v1/models), OPENAI_API_KEY, MAX_TOKENS (64), TEMPERATURE (0), PROMPTS_FILE (one prompt a line;
+default: a built-in list).
 """
 
 from __future__ import annotations
@@ -18,16 +19,11 @@ import time
 
 from locust import HttpUser, constant, events, task
 
-PROMPTS = [
-    "Explain in a few sentences why the sky is blue.",
-    "Write a short Python function that checks whether a number is prime.",
-    "Give me three tips for staying focused while studying.",
-    "What is the difference between a list and a tuple in Python?",
-    "Summarise the plot of Romeo and Juliet in three sentences.",
-    "How do vaccines train the immune system?",
-    "Suggest a name for a bakery that sells only bread.",
-    "Why do cats purr?",
-]
+PROMPTS = ["Explain in a few sentences why the sky is blue.", "Why do cats purr?",
+           "Write a short Python function that checks whether a number is prime."]
+if os.environ.get("PROMPTS_FILE"):  # one prompt a line
+    with open(os.environ["PROMPTS_FILE"]) as f:
+        PROMPTS = [line.strip() for line in f if line.strip()]
 _prompts = itertools.cycle(PROMPTS)
 
 

@@ -210,61 +210,47 @@ class Gateway:
                       started: float) -> AsyncIterator[bytes]:
         kind, rid, created = parsed.kind, protocol.response_id(parsed.kind), protocol.now()
         want_lp = parsed.logprobs is not None
-        queue: asyncio.Queue = asyncio.Queue()
         stats, prompt_tokens, completion_tokens = [], 0, 0
-        session_id = ""
+        session_id = calls[0].first_session_id  # kept sessions are named in every event (n is 1 then)
 
-        async def pump(c: _Choice) -> None:
-            try:
-                async for chunk in c.chunks():
-                    await queue.put((c, chunk))
-                await queue.put((c, None))
-            except grpc.aio.AioRpcError as exc:
-                await queue.put((c, exc))
+        def event(choices: list[dict]) -> dict:
+            e = protocol.envelope(kind, rid, created, parsed.model, choices, stream=True)
+            if parsed.keep_session:
+                e["session_id"] = session_id
+            return e
 
-        tasks = [asyncio.create_task(pump(c)) for c in calls]
-        open_choices = len(calls)
+        merged = _merged(calls)
         try:
             if kind == "chat":  # the role first, as OpenAI does
                 for c in calls:
-                    yield sse(protocol.envelope(kind, rid, created, parsed.model, [
-                        protocol.choice(kind, c.job.index, "", None, [], False, delta=True, first=True)],
-                        stream=True))
-            while open_choices:
-                c, chunk = await queue.get()
-                if chunk is None:
-                    open_choices -= 1
-                    continue
+                    yield sse(event([protocol.choice(kind, c.job.index, "", None, [], False, delta=True, first=True)]))
+            async for c, chunk in merged:
                 if isinstance(chunk, grpc.aio.AioRpcError):
                     status, message, param, code = rpc_error(chunk)
                     yield sse({"error": error_body(status, message, param, code)["error"]})
                     self._count(route, status, started, completion_tokens)
                     return
                 finish = protocol.FINISH.get(chunk.finish_reason) if chunk.finish_reason else None
-                session_id = chunk.session_id
                 if chunk.text or finish or (want_lp and chunk.logprobs) or (parsed.return_token_ids and chunk.token_ids):
                     entry = protocol.choice(kind, c.job.index, chunk.text, finish, chunk.logprobs, want_lp,
                                             offset=c.chars, delta=True)
                     if parsed.return_token_ids:
                         entry["token_ids"] = list(chunk.token_ids)
-                    yield sse(protocol.envelope(kind, rid, created, parsed.model, [entry], stream=True))
+                    yield sse(event([entry]))
                     c.chars += len(chunk.text)
                 if finish:
                     stats.append(chunk.stats)
                     prompt_tokens += chunk.usage.prompt_tokens if c.job.index % parsed.n == 0 else 0
                     completion_tokens += chunk.usage.completion_tokens
             if parsed.include_usage:
-                last = protocol.envelope(kind, rid, created, parsed.model, [], stream=True)
+                last = event([])
                 last["usage"] = protocol.usage(prompt_tokens, completion_tokens)
                 last["speculation"] = protocol.speculation(stats)
-                if parsed.keep_session:
-                    last["session_id"] = session_id
                 yield sse(last)
             yield b"data: [DONE]\n\n"
             self._count(route, 200, started, completion_tokens)
         finally:
-            for task in tasks:
-                task.cancel()
+            await merged.aclose()
             await asyncio.gather(*(c.cancel() for c in calls))
 
     def _count(self, route: str, status: int, started: float, tokens: int = 0) -> None:
@@ -277,6 +263,40 @@ class Gateway:
         self.metrics.requests.labels(route, str(status)).inc()
         headers = {"Retry-After": "1"} if status in (429, 503) else None
         return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+async def _merged(calls: list[_Choice]) -> AsyncIterator[tuple[_Choice, object]]:
+    """(choice, chunk) from every choice's stream as chunks arrive; (choice, error) ends it. One
+    choice (the common case) is read directly, without a task and a queue per chunk."""
+    if len(calls) == 1:
+        try:
+            async for chunk in calls[0].chunks():
+                yield calls[0], chunk
+        except grpc.aio.AioRpcError as exc:
+            yield calls[0], exc
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: _Choice) -> None:
+        try:
+            async for chunk in c.chunks():
+                await queue.put((c, chunk))
+            await queue.put((c, None))
+        except grpc.aio.AioRpcError as exc:
+            await queue.put((c, exc))
+
+    tasks = [asyncio.create_task(pump(c)) for c in calls]
+    try:
+        open_choices = len(calls)
+        while open_choices:
+            c, chunk = await queue.get()
+            if chunk is None:
+                open_choices -= 1
+            else:
+                yield c, chunk
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 class _Choice:
@@ -298,6 +318,10 @@ class _Choice:
         async for chunk in self._attempts():
             self._first = chunk
             return
+
+    @property
+    def first_session_id(self) -> str:
+        return self._first.session_id if self._first is not None else ""
 
     async def chunks(self) -> AsyncIterator[pb.GenerateStreamResponse]:
         if self._first is not None:

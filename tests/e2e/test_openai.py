@@ -147,8 +147,12 @@ def test_session_kept_and_continued(sdk, model, grpc_client):
     second = sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "And two more."}],
                                          max_tokens=6, temperature=0, extra_body={"session_id": session_id})
     assert second.model_extra["session_id"] == session_id
+    third = list(sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "Thanks."}],
+                                             max_tokens=4, temperature=0, stream=True,
+                                             extra_body={"session_id": session_id}))
+    assert {c.model_extra["session_id"] for c in third} == {session_id}  # streamed chunks name it too
     session = grpc_client.get_session(session_id)
-    assert [m.role for m in session.messages] == ["user", "assistant", "user", "assistant"]
+    assert [m.role for m in session.messages] == ["user", "assistant"] * 3
     assert session.messages[1].content == first.choices[0].message.content
     assert second.usage.prompt_tokens < first.usage.prompt_tokens + 6 + 20  # only the new turn was added
     grpc_client.end_session(session_id)

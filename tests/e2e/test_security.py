@@ -254,3 +254,37 @@ def test_logs_hold_no_prompt_text_nor_token(secure_stack, client):
     for name, content in logs.items():
         for secret in (SECRET, *TOKENS, WRONG_TOKEN):
             assert secret not in content, f"{secret!r} appears in {name}"
+
+
+
+# ---- the OpenAI-compatible API over TLS ---------------------------------------------------------
+
+@pytest.mark.openai
+def test_openai_gateway_serves_https_over_a_tls_coordinator(secure_stack, pki, client):
+    """The gateway serves HTTPS with the public certificate, checks the coordinator's certificate
+    against the CA, and passes the bearer token on: the coordinator's own auth decides."""
+    import ssl
+
+    import openai
+
+    secure_stack.args["openai"] = ["--tls-cert", str(pki / "coordinator.crt"), "--tls-key", str(pki / "coordinator.key"),
+                                   "--coordinator-tls-ca", str(pki / "ca.crt"), "--coordinator-server-name", "localhost"]
+    secure_stack.start("openai", wait_s=60)
+    try:
+        assert secure_stack.url().startswith("https://")
+
+        def sdk(token: str) -> openai.OpenAI:
+            return openai.OpenAI(base_url=secure_stack.url(), api_key=token, max_retries=0, timeout=60,
+                                 http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(pki / "ca.crt"))))
+
+        good = sdk(TOKENS[0])
+        model = good.models.list().data[0].id
+        r = good.completions.create(model=model, prompt=IDS, max_tokens=8, temperature=0,
+                                    extra_body={"return_token_ids": True})
+        assert r.choices[0].model_extra["token_ids"] == generate(client, IDS, bearer(TOKENS[0]), max_new_tokens=8).token_ids
+        with pytest.raises(openai.AuthenticationError):
+            sdk("not-a-token").completions.create(model=model, prompt=IDS, max_tokens=2)
+        with pytest.raises(openai.APIConnectionError):  # the certificate is checked: an unknown CA fails
+            openai.OpenAI(base_url=secure_stack.url(), api_key=TOKENS[0], max_retries=0, timeout=10).models.list()
+    finally:
+        secure_stack.stop("openai")

@@ -20,15 +20,20 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smollm2_stack(tmp_path_factory):
-    stack = start_stack("smollm2", "smollm2", tmp_path_factory.mktemp("logs"), args={"draft": ["--backend", "llama.cpp"]})
+    stack = start_stack("smollm2", "smollm2", tmp_path_factory.mktemp("logs"), openai=True,
+                        args={"draft": ["--backend", "llama.cpp"]})
     yield stack
     stack.down()
 
 
+@pytest.fixture(scope="module")
+def reference():
+    return ReferenceDecoder("smollm2")
+
+
 @pytest.mark.lossless
-def test_greedy_identical_to_transformers_generate(smollm2_stack):
+def test_greedy_identical_to_transformers_generate(smollm2_stack, reference):
     tokenizer = load_tokenizer("smollm2")
-    reference = ReferenceDecoder("smollm2")
     with Client(smollm2_stack.address("coordinator"), timeout_s=300) as client:
         assert client.describe().draft.backend == "llama.cpp"
         for prompt in PROMPTS:
@@ -40,3 +45,39 @@ def test_greedy_identical_to_transformers_generate(smollm2_stack):
             assert result.stats["acceptance_rate"] > 0.5  # the quantized copy agrees with its target most of the time
             chat = client.generate([{"role": "user", "content": prompt}], max_new_tokens=64, k=5)
             assert chat.token_ids == expected  # the chat template applied by the coordinator is the same
+
+
+@pytest.mark.lossless
+@pytest.mark.openai
+def test_openai_api_logprobs_and_greedy_identity_on_the_real_model(smollm2_stack, reference):
+    """Through the OpenAI SDK, greedy output with a repetition penalty is transformers' own; every
+    token's log-probability (and its top 5) is the target alone's log-softmax after the penalty, to
+    1e-5, whether the token was an accepted draft token or the recovered or bonus one."""
+    import openai
+    import torch
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    tokenizer = load_tokenizer("smollm2")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)["input_ids"]
+    sdk = openai.OpenAI(base_url=smollm2_stack.url(), api_key="none", max_retries=0, timeout=300)
+    r = sdk.completions.create(model="smollm2", prompt=ids, max_tokens=48, temperature=0, logprobs=5,
+                               extra_body={"repetition_penalty": 1.2, "return_token_ids": True,
+                                           "speculation": {"num_speculative_tokens": 5}})
+    assert r.model_extra["speculation"]["accepted_tokens"] > 10  # most tokens came from accepted drafts
+    out = r.choices[0].model_extra["token_ids"]
+    with torch.inference_mode():
+        generated = reference.model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False,
+                                             repetition_penalty=1.2, output_logits=True, return_dict_in_generate=True,
+                                             attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    assert out == generated.sequences[0, len(ids):].tolist()
+    worst = 0.0
+    for j, (token, chosen, top) in enumerate(zip(out, r.choices[0].logprobs.token_logprobs,
+                                                 r.choices[0].logprobs.top_logprobs)):
+        row = RepetitionPenaltyLogitsProcessor(1.2)(torch.tensor([ids + out[:j]]),
+                                                   generated.logits[j].to(torch.float64))[0]
+        expected = torch.log_softmax(row, dim=-1)
+        worst = max(worst, abs(chosen - float(expected[token])))
+        values = torch.topk(expected, 5).values.tolist()
+        assert sorted(top.values(), reverse=True) == pytest.approx(values, abs=1e-5)
+    assert worst < 1e-5, worst
