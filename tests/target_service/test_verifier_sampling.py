@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from specdec_core.batched_backend import BatchedBackend
 from specdec_core.kvcache import SessionCaches
 from specdec_core.sampling import SamplingConfig, adjust_logits
 from target_service.verifier import Verifier, VerifyTask
+from tiny_models import tiny_config
 
 pytestmark = [pytest.mark.openai, pytest.mark.lossless]
 VOCAB = 64
@@ -25,9 +26,7 @@ CFG = SamplingConfig(repetition_penalty=0.4, presence_penalty=1.5, frequency_pen
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(1)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(tiny_config(VOCAB)).eval()
 
 
 def one_at_a_time(model, cfg: SamplingConfig, n: int) -> tuple[list[int], list[torch.Tensor]]:
