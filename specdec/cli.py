@@ -92,6 +92,10 @@ def _generation_flags(p: argparse.ArgumentParser, max_new_tokens: int | None = N
     p.add_argument("--temperature", type=float, default=None, help="0 or unset: greedy")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=0.0, help="keep tokens at least this share of the top one's probability")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="transformers' (> 0; 1: off)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--draft", choices=["default", "model", "ngram", "none"], default="default",
@@ -116,8 +120,9 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
 
 def _gen_kwargs(a: argparse.Namespace) -> dict:
     return dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                seed=a.seed, stop=a.stop, draft=a.draft, k=a.k, adaptive=a.adaptive, overlap=a.overlap,
-                min_draft_confidence=a.min_draft_confidence)
+                min_p=a.min_p, presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
+                repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop, draft=a.draft, k=a.k,
+                adaptive=a.adaptive, overlap=a.overlap, min_draft_confidence=a.min_draft_confidence)
 
 
 def stream_to_terminal(client: Client, prompt, quiet: bool = False, **kwargs) -> dict:

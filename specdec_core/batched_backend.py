@@ -345,7 +345,8 @@ class BatchedBackend:
             logits_to_keep=_kept_rows(items, keep).to(dev),
             specdec_batch=view,
         )
-        logits = out.logits[0].float()  # [sum(keep), V]
+        logits = out.logits[0]  # [sum(keep), V], float32 at least (a float64 model's stay float64)
+        logits = logits if logits.dtype == torch.float64 else logits.float()
         return list(logits.split(keep))
 
 

@@ -37,8 +37,9 @@ class TargetConfig:
             raise ValueError("max_queue must be >= 1")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype}")
+        if self.dtype not in ("float32", "float16", "bfloat16", "float64"):
+            raise ValueError(f"dtype must be float32, float16, bfloat16 or float64 (for exactness checks), "
+                             f"got {self.dtype}")
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> TargetConfig:

@@ -51,8 +51,9 @@ def test_greedy_identical_to_transformers_generate(smollm2_stack, reference):
 @pytest.mark.openai
 def test_openai_api_logprobs_and_greedy_identity_on_the_real_model(smollm2_stack, reference):
     """Through the OpenAI SDK, greedy output with a repetition penalty is transformers' own; every
-    token's log-probability (and its top 5) is the target alone's log-softmax after the penalty, to
-    1e-5, whether the token was an accepted draft token or the recovered or bonus one."""
+    token's log-probability (and its top 5) is the target alone's log-softmax after the penalty (to
+    float32's rounding, below), whether the token was an accepted draft token or the recovered or
+    bonus one."""
     import openai
     import torch
     from transformers import RepetitionPenaltyLogitsProcessor
@@ -71,13 +72,20 @@ def test_openai_api_logprobs_and_greedy_identity_on_the_real_model(smollm2_stack
                                              repetition_penalty=1.2, output_logits=True, return_dict_in_generate=True,
                                              attention_mask=torch.ones(1, len(ids), dtype=torch.long))
     assert out == generated.sequences[0, len(ids):].tolist()
-    worst = 0.0
+    # float32 rounds a verify block's logits differently from generate's one-token steps: 1.1e-5 at
+    # most seen, where transformers' own logprobs for these tokens differ by up to 2.3e-5 between
+    # generate and one forward pass over the whole sequence. Hence 2e-5 here; in float64 the
+    # processing is exact to 1e-9 (test_openai.py::test_logprobs_exact_in_float64).
+    worst_chosen = worst_top = 0.0
     for j, (token, chosen, top) in enumerate(zip(out, r.choices[0].logprobs.token_logprobs,
                                                  r.choices[0].logprobs.top_logprobs)):
         row = RepetitionPenaltyLogitsProcessor(1.2)(torch.tensor([ids + out[:j]]),
                                                    generated.logits[j].to(torch.float64))[0]
         expected = torch.log_softmax(row, dim=-1)
-        worst = max(worst, abs(chosen - float(expected[token])))
+        worst_chosen = max(worst_chosen, abs(chosen - float(expected[token])))
         values = torch.topk(expected, 5).values.tolist()
-        assert sorted(top.values(), reverse=True) == pytest.approx(values, abs=1e-5)
-    assert worst < 1e-5, worst
+        got = sorted(top.values(), reverse=True)
+        assert got == pytest.approx(values, abs=2e-5)
+        worst_top = max(worst_top, *(abs(g - v) for g, v in zip(got, values)))
+    print(f"logprobs vs transformers: chosen tokens {worst_chosen:.2e}, top 5 {worst_top:.2e} (absolute)")
+    assert worst_chosen < 2e-5, worst_chosen
