@@ -72,10 +72,11 @@ def test_openai_api_logprobs_and_greedy_identity_on_the_real_model(smollm2_stack
                                              repetition_penalty=1.2, output_logits=True, return_dict_in_generate=True,
                                              attention_mask=torch.ones(1, len(ids), dtype=torch.long))
     assert out == generated.sequences[0, len(ids):].tolist()
-    # float32 rounds a verify block's logits differently from generate's one-token steps: 1.1e-5 at
-    # most seen, where transformers' own logprobs for these tokens differ by up to 2.3e-5 between
-    # generate and one forward pass over the whole sequence. Hence 2e-5 here; in float64 the
-    # processing is exact to 1e-9 (test_openai.py::test_logprobs_exact_in_float64).
+    # float32 rounds a verify block's logits differently from generate's one-token steps (2e-5 at
+    # most seen; which rounds carry blocks depends on timing, with overlap), and transformers' own
+    # logprobs for these tokens differ by up to 2.3e-5 between generate and one forward pass over
+    # the whole sequence. Hence 5e-5 here, far below what a processing error moves (a penalty
+    # missed: > 1e-2); in float64 it is exact to 1e-9 (test_openai.py::test_logprobs_exact_in_float64).
     worst_chosen = worst_top = 0.0
     for j, (token, chosen, top) in enumerate(zip(out, r.choices[0].logprobs.token_logprobs,
                                                  r.choices[0].logprobs.top_logprobs)):
@@ -85,7 +86,7 @@ def test_openai_api_logprobs_and_greedy_identity_on_the_real_model(smollm2_stack
         worst_chosen = max(worst_chosen, abs(chosen - float(expected[token])))
         values = torch.topk(expected, 5).values.tolist()
         got = sorted(top.values(), reverse=True)
-        assert got == pytest.approx(values, abs=2e-5)
+        assert got == pytest.approx(values, abs=5e-5)
         worst_top = max(worst_top, *(abs(g - v) for g, v in zip(got, values)))
     print(f"logprobs vs transformers: chosen tokens {worst_chosen:.2e}, top 5 {worst_top:.2e} (absolute)")
-    assert worst_chosen < 2e-5, worst_chosen
+    assert worst_chosen < 5e-5, worst_chosen
