@@ -305,11 +305,12 @@ def test_logprobs_equal_the_target_alones(sdk, model, grpc_client, hf_greedy, pe
         assert lp.chosen.token_id == token and int(row.argmax()) == token
         # The tiny model's logits are huge (its weights are scaled up), and float32 rounds them
         # differently in a verify block than in a one-token step (up to 5e-5 seen, 1.6e-5
-        # relative): 1e-4 here. In float64 the same comparison holds to 1e-9 (below).
-        assert lp.chosen.logprob == pytest.approx(float(expected[token]), abs=1e-4, rel=1e-4)
+        # relative; block boundaries depend on timing): 2e-4 here. In float64 the same comparison
+        # holds to 1e-9 (below).
+        assert lp.chosen.logprob == pytest.approx(float(expected[token]), abs=2e-4, rel=1e-4)
         top = torch.topk(expected, 5)
         assert [a.token_id for a in lp.top] == top.indices.tolist()
-        assert [a.logprob for a in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4, rel=1e-4)
+        assert [a.logprob for a in lp.top] == pytest.approx(top.values.tolist(), abs=2e-4, rel=1e-4)
         assert lp.chosen.token  # the token's text is filled in
     http = completion(sdk, model, IDS, max_tokens=n, temperature=0, logprobs=5,
                       extra_body={"speculation": {"num_speculative_tokens": 4}, **penalties})
