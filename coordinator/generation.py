@@ -176,7 +176,7 @@ class Generation:
         """Free a session's worker caches and delete its record (EndSession, or a one-shot request)."""
         for worker in (self.proposer, self.verifier):
             try:
-                if worker is not None and hasattr(worker, "release"):
+                if worker is not None:
                     worker.release(session.session_id)
             except SpecdecError as exc:  # caches are only caches; LRU frees them eventually
                 log.warning("could not release a cache: %s", exc)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -32,8 +31,6 @@ from openai_gateway.protocol import RequestError
 from specdec.client import Retries, StreamResume
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
-
-log = logging.getLogger("openai_gateway")
 
 # gRPC status -> (HTTP status, OpenAI error type)
 STATUS = {

@@ -53,20 +53,51 @@ def wait_serving(address: str, timeout_s: float, process: subprocess.Popen | Non
     """Wait until the gRPC health service at address says SERVING (or the process dies)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            if process is not None and process.poll() is not None:
-                raise RuntimeError(f"{name or address} exited with code {process.returncode} while starting")
+
+        def serving() -> bool:
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
+                return stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                    health_pb2.HealthCheckResponse.SERVING
             except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name or address} not serving after {timeout_s:.0f} s")
-            time.sleep(0.2)
+                return False
+
+        _wait_until(serving, timeout_s, process, name or address, "serving", 0.2)
+
+
+def wait_http(url: str, timeout_s: float, process: subprocess.Popen | None = None, name: str = "") -> None:
+    """Wait until GET url answers 200 (or the process dies). Any certificate will do: this only
+    waits for the server to be up."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+
+    def answering() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=2, context=context) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    _wait_until(answering, timeout_s, process, name or url, "answering", 0.1)
+
+
+def _wait_until(ready, timeout_s: float, process: subprocess.Popen | None, name: str, state: str,
+                interval_s: float) -> None:
+    """Poll ready() until it is true; RuntimeError if the process exits first, TimeoutError after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {process.returncode} while starting")
+        if ready():
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} not {state} after {timeout_s:.0f} s")
+        time.sleep(interval_s)
 
 
 # Run as `python -c _DIE_WITH_PARENT PARENT_PID CMD...`: ask the kernel to SIGTERM this process when
@@ -217,31 +248,6 @@ class Stack:
         order = {"openai": 0, "coordinator": 0, "draft": 1, "target": 1, "redis": 2}
         for name in sorted(self.processes, key=lambda n: order.get(n.split("#")[0], 1)):
             self.stop(name)
-
-
-def wait_http(url: str, timeout_s: float, process: subprocess.Popen | None = None, name: str = "") -> None:
-    """Wait until GET url answers 200 (or the process dies). Any certificate will do: this only
-    waits for the server to be up."""
-    import ssl
-    import urllib.error
-    import urllib.request
-
-    context = ssl.create_default_context()
-    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"{name or url} exited with code {process.returncode} while starting")
-        try:
-            with urllib.request.urlopen(url, timeout=2, context=context) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{name or url} not answering after {timeout_s:.0f} s")
-        time.sleep(0.1)
 
 
 def _wait_port(port: int, timeout_s: float) -> None:

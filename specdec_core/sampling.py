@@ -109,11 +109,6 @@ def adjust_logits(logits: torch.Tensor, cfg: SamplingConfig, tokens: Sequence[in
     return x
 
 
-def greedy_tokens(logits: torch.Tensor, cfg: SamplingConfig, tokens: Sequence[int] = ()) -> torch.Tensor:
-    """The greedy choice [N] for each row of logits [N, V] (rows as in `adjust_logits`)."""
-    return adjust_logits(logits, cfg, tokens).argmax(dim=-1)
-
-
 def process_logits(logits: torch.Tensor, cfg: SamplingConfig, tokens: Sequence[int] = ()) -> torch.Tensor:
     """Turn raw logits [N, V] into sampling probabilities [N, V] (float64), rows summing to 1.
     Rows and `tokens` as in `adjust_logits` (needed only when the config has penalties)."""
@@ -144,14 +139,6 @@ def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     return probs
 
 
-def log_probs(logits: torch.Tensor, cfg: SamplingConfig, tokens: Sequence[int] = ()) -> torch.Tensor:
-    """The log of the distribution tokens are chosen from [N, V] (float64): after every step of
-    processing when sampling; the log-softmax of the penalised, biased logits when greedy."""
-    if cfg.is_greedy:
-        return torch.log_softmax(adjust_logits(logits, cfg, tokens).to(torch.float64), dim=-1)
-    return process_logits(logits, cfg, tokens).log()
-
-
 @dataclass(frozen=True)
 class TokenLogprob:
     """A chosen token's log-probability and the `top` most likely tokens' (impossible ones left out)."""
@@ -162,7 +149,8 @@ class TokenLogprob:
 
 
 def token_logprobs(logp: torch.Tensor, chosen: Sequence[int], top: int) -> list[TokenLogprob]:
-    """Row i of logp [N, V] is the distribution chosen[i] came from."""
+    """Row i of logp [N, V] is the log of the distribution chosen[i] came from: after every step of
+    processing when sampling, the log-softmax of the penalised, biased logits when greedy."""
     out = []
     values, ids = torch.topk(logp, min(top, logp.shape[-1]), dim=-1) if top else (None, None)
     for i, token in enumerate(chosen):

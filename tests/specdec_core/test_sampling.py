@@ -387,13 +387,11 @@ def test_min_p_matches_transformers(min_p):
 
 
 @pytest.mark.openai
-def test_log_probs_and_token_logprobs():
-    from specdec_core.sampling import log_probs, token_logprobs
+def test_token_logprobs():
+    from specdec_core.sampling import token_logprobs
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, 1.0]])
-    greedy = log_probs(logits, GREEDY)
-    assert torch.allclose(greedy, torch.log_softmax(logits.double(), -1))
-    sampled = log_probs(logits, SamplingConfig(temperature=1.0, top_k=2))
+    sampled = process_logits(logits, SamplingConfig(temperature=1.0, top_k=2)).log()
     out = token_logprobs(sampled, [0, 1], top=3)
     assert [t.token_id for t in out] == [0, 1]
     assert out[0].logprob == pytest.approx(math.log(math.e ** 2 / (math.e ** 2 + math.e)))
