@@ -11,7 +11,7 @@ import redis
 from coordinator.config import CoordinatorConfig
 from coordinator.generation import Generation, Limits
 from coordinator.ngram import NgramProposer
-from coordinator.redis_client import connect_redis
+from specdec_core.redis_client import connect_redis
 from coordinator.routing import ReplicaPool, Routed, discover
 from coordinator.servicer import GenerationServicer
 from coordinator.sessions import SessionStore

@@ -258,6 +258,84 @@ class BatchedBackend:
         return len(self._free_blocks)
 
     # ------------------------------------------------------------------------------------------
+    # KV export and import (the Redis KV tier, `specdec_core.kvstore`)
+
+    def kv_layout(self) -> str:
+        """The byte layout of exported KV: blobs are interchangeable between backends that give
+        the same string. Creates the pools (one scratch token) on a backend that ran nothing yet."""
+        self._ensure_pools()
+        k = self._k_pools[0]
+        return (f"paged-kv-v1 dtype={self.dtype} layers={len(self._k_pools)} "
+                f"kv_heads={k.shape[1]} head_dim={k.shape[2]}")
+
+    @torch.inference_mode()
+    def export_kv(self, handle: PagedSequence, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """The keys and values of positions [start, end) of the handle, one blob per range:
+        per layer, keys then values, [tokens, kv_heads, head_dim] in the pool's dtype."""
+        self._check_handle(handle)
+        blobs = []
+        for start, end in ranges:
+            if not 0 <= start <= end <= handle.length:
+                raise ValueError(f"range [{start}, {end}) is not inside the {handle.length} cached tokens")
+            slots = self._slots(handle, start, end)
+            parts = []
+            for layer in range(len(self._k_pools)):
+                parts.append(self._k_pools[layer].index_select(0, slots))
+                parts.append(self._v_pools[layer].index_select(0, slots))
+            blobs.append(_tensor_bytes(torch.stack(parts)))
+        return blobs
+
+    @torch.inference_mode()
+    def import_kv(self, handle: PagedSequence, start: int, blobs: list[bytes]) -> int:
+        """Append the tokens of consecutive blobs (as export_kv made them) after the `start` tokens
+        the handle holds; its new length. All or nothing: a blob that is not a whole number of
+        tokens raises ValueError, no room raises ResourceExhausted, and the handle keeps `start`."""
+        self._check_handle(handle)
+        if handle.length != start:
+            raise ValueError(f"handle holds {handle.length} tokens, the import says start={start}")
+        self._ensure_pools()
+        k = self._k_pools[0]
+        layers, per_token = len(self._k_pools), k.shape[1] * k.shape[2]
+        token_bytes = 2 * layers * per_token * k.element_size()
+        if any(len(b) == 0 or len(b) % token_bytes for b in blobs):
+            raise ValueError(f"a KV blob is not a whole number of tokens of {token_bytes} bytes")
+        total = sum(len(b) // token_bytes for b in blobs)
+        with self._lock:
+            self._reserve_blocks([(handle, range(total), start)])
+        try:
+            pos = start
+            for blob in blobs:
+                n = len(blob) // token_bytes
+                data = torch.frombuffer(bytearray(blob), dtype=k.dtype).view(2 * layers, n, k.shape[1], k.shape[2])
+                slots = self._slots(handle, pos, pos + n)
+                data = data.to(self.device)
+                for layer in range(layers):
+                    self._k_pools[layer].index_copy_(0, slots, data[2 * layer])
+                    self._v_pools[layer].index_copy_(0, slots, data[2 * layer + 1])
+                pos += n
+            handle.length = pos
+        except BaseException:
+            with self._lock:
+                handle.length = start
+                self._trim_blocks(handle)
+            raise
+        return handle.length
+
+    def _slots(self, handle: PagedSequence, start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end)
+        bs = self.block_size
+        return (torch.tensor(handle.blocks, dtype=torch.long)[pos // bs] * bs + pos % bs).to(self.device)
+
+    def _ensure_pools(self) -> None:
+        """The pools exist once a forward pass has run; run one scratch token if none has."""
+        if not self._k_pools:
+            scratch = self.allocate()
+            try:
+                self.forward(scratch, [0], 0, num_logits=0)
+            finally:
+                self.free(scratch)
+
+    # ------------------------------------------------------------------------------------------
     # Internals
 
     def _check_handle(self, handle: Any) -> None:
@@ -348,6 +426,11 @@ class BatchedBackend:
         logits = out.logits[0]  # [sum(keep), V], float32 at least (a float64 model's stay float64)
         logits = logits if logits.dtype == torch.float64 else logits.float()
         return list(logits.split(keep))
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().to("cpu").contiguous()
+    return t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.uint8 else t.numpy().tobytes()
 
 
 def _kept_rows(items, keep: list[int]) -> torch.Tensor:

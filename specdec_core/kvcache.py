@@ -18,6 +18,10 @@ overlapped proposal still on the wire) cannot bring its cache back.
 
 A `CacheBackend` owns the actual tensors (a transformers `DynamicCache`, a llama.cpp sequence
 slot, ...); `SessionCaches` does the bookkeeping that is the same for all of them.
+
+With a KV tier (`specdec_core.kvstore`), a lease that finds the cache short of the committed
+tokens first restores what the tier holds of them, and a lease that ends well hands the chunks its
+committed tokens completed to the tier.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class CachedSequence:
     last_used: float = 0.0
     is_in_use: bool = False
     is_released: bool = False  # released while in use: freed when its lease ends
+    saved: int = 0  # tokens whose KV chunks went to the KV tier (a multiple of its chunk size)
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -92,8 +97,9 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 class SessionCaches:
-    def __init__(self, backend: CacheBackend, role: str = "worker", remember_ended: int = 4096):
+    def __init__(self, backend: CacheBackend, role: str = "worker", remember_ended: int = 4096, tier=None):
         self.backend = backend
+        self.tier = tier  # a kvstore.KVTier (or its tensor-parallel wrapper), or None
         self.role = role
         self.capacity = int(backend.capacity)
         self._sequences: dict[str, CachedSequence] = {}
@@ -128,10 +134,15 @@ class SessionCaches:
         try:
             keep = min(common_prefix_len(seq.token_ids, committed_ids), len(committed_ids) - 1)
             self.crop(seq, keep)
+            if self.tier is not None:
+                self._restore(seq, committed_ids)
             yield seq
         except BaseException:
             self._reset(seq)  # a half-done forward pass leaves the cache in an unknown state
             raise
+        else:
+            if self.tier is not None:
+                self._save(seq, committed_ids)
         finally:
             with self._lock:
                 seq.is_in_use = False
@@ -184,6 +195,32 @@ class SessionCaches:
             with self._lock:
                 del seq.token_ids[length:]
                 self._account(seq)
+
+    def _restore(self, seq: CachedSequence, committed_ids: list[int]) -> None:
+        """Bring the leased cache up to the whole chunks of committed_ids (all but the last token)
+        that the KV tier holds, if there is room for them."""
+        limit = len(committed_ids) - 1
+        have = len(seq.token_ids)
+        if limit // self.tier.chunk * self.tier.chunk <= have:
+            return
+        with self._lock:
+            if not self._make_room(self.backend.units_for(limit) - seq.units):
+                return
+        length = self.tier.restore(seq.handle, committed_ids, have, limit)
+        if length != have:
+            with self._lock:
+                seq.token_ids[:] = committed_ids[:length]
+                seq.saved = length // self.tier.chunk * self.tier.chunk
+                self._account(seq)
+
+    def _save(self, seq: CachedSequence, committed_ids: list[int]) -> None:
+        """Hand the chunks that the committed tokens in the cache completed to the KV tier."""
+        upto = min(len(seq.token_ids), len(committed_ids))
+        saved = min(seq.saved, upto)
+        if upto // self.tier.chunk > saved // self.tier.chunk:
+            seq.saved = self.tier.save(seq.handle, committed_ids, saved, upto)
+        else:
+            seq.saved = saved // self.tier.chunk * self.tier.chunk
 
     def _reset(self, seq: CachedSequence) -> None:
         """Empty the cache whatever the bookkeeping says (it may lag a failed forward pass)."""

@@ -40,3 +40,13 @@ CACHE_EVICTIONS = Counter("specdec_cache_evictions_total", "sessions evicted fro
 def start_metrics_server(port: int, host: str = "0.0.0.0") -> None:
     if port:
         start_http_server(port, addr=host)
+KV_CHUNKS = Counter("specdec_kv_store_chunks_total",
+                    "KV-tier chunks by outcome: hit, miss (read), invalid (ignored: checksum, shape or model "
+                    "mismatch), stored, dropped (write queue full or Redis down)", ["role", "outcome"])
+KV_BYTES = Counter("specdec_kv_store_bytes_total", "KV-tier bytes written to Redis", ["role", "direction"])
+KV_RESTORED_TOKENS = Counter("specdec_kv_store_restored_tokens_total", "tokens whose KV was restored instead of "
+                             "prefilled", ["role"])
+KV_RESTORE_SECONDS = Histogram("specdec_kv_store_restore_seconds", "time to fetch and import a restore", ["role"],
+                               buckets=LATENCY_BUCKETS)
+KV_PENDING_BYTES = Gauge("specdec_kv_store_pending_bytes", "KV chunks waiting to be written", ["role"])
+KV_ERRORS = Counter("specdec_kv_store_errors_total", "KV-tier Redis calls that failed", ["role"])

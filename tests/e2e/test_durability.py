@@ -199,7 +199,7 @@ def test_a_retry_that_read_the_record_before_its_request_finished_only_replays_i
     from coordinator.config import CoordinatorConfig
     from coordinator.generation import Generation, GenerationRequest, Limits
     from coordinator.ngram import NgramProposer
-    from coordinator.redis_client import connect_redis
+    from specdec_core.redis_client import connect_redis
     from coordinator.sessions import SessionStore
     from coordinator.text import TextCodec
     from specdec_core.models import load_tokenizer

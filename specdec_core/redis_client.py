@@ -1,5 +1,5 @@
-"""The Redis client the session store uses: one URL for a plain, TLS or Sentinel-managed Redis,
-connection retries long enough to ride out a failover, and Redis errors as status codes."""
+"""The Redis client the session store (coordinator) and the KV tier (workers) use: one URL for a plain,
+TLS or Sentinel-managed Redis, connection retries long enough to ride out a failover, and Redis errors as status codes."""
 
 from __future__ import annotations
 
