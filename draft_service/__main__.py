@@ -11,6 +11,7 @@ from draft_service.servicer import DraftServicer
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 from specdec_core.admission import Lanes
 from specdec_core.kvcache import SessionCaches
+from specdec_core.kvstore import open_tier
 from specdec_core.logs import setup_logging
 from specdec_core.server import create_server, serve
 
@@ -39,11 +40,20 @@ def load_backend(cfg: DraftConfig):
     return BatchedBackend(load_causal_lm(cfg.model, cfg.dtype, cfg.device), max_tokens=cfg.max_cache_tokens)
 
 
+def model_path(cfg: DraftConfig) -> str:
+    """The weights the draft runs (what the KV tier's keys are fingerprinted from)."""
+    from specdec_core.models import gguf_path, resolve_model
+
+    if cfg.resolved_backend == "llama.cpp":
+        return str(gguf_path(cfg.model))
+    return resolve_model(cfg.model)
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = DraftConfig.from_args(argv)
     setup_logging(cfg.server.log_level, cfg.server.log_format)
     backend = load_backend(cfg)
-    caches = SessionCaches(backend, role="draft")
+    caches = SessionCaches(backend, role="draft", tier=open_tier(cfg.kv_store, backend, model_path(cfg), "draft"))
     proposer = ModelProposer(caches, backend.max_context, cfg.sparse_top, max_queue=cfg.max_queue)
     service = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
     server = create_server(Lanes(frozenset({f"/{service}/Propose"}), work=cfg.max_queue))

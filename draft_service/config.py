@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from specdec_core.kvstore import KVStoreOptions
 from specdec_core.server import ServerOptions
 
 BACKENDS = ("auto", "transformers", "llama.cpp")
@@ -24,6 +25,7 @@ class DraftConfig:
     sparse_top: int = 64
     max_queue: int = 64
     threads: int = 0
+    kv_store: KVStoreOptions = KVStoreOptions()
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -71,7 +73,8 @@ class DraftConfig:
         p.add_argument("--max-queue", type=int, default=int(env("SPECDEC_DRAFT_MAX_QUEUE", cls.max_queue)),
                        help="Propose calls admitted at once (queued or running); more get RESOURCE_EXHAUSTED at once")
         p.add_argument("--threads", type=int, default=cls.threads, help="compute threads, llama.cpp or torch (0: all cores)")
+        KVStoreOptions.add_flags(p, "SPECDEC_DRAFT")
         ServerOptions.add_flags(p, "SPECDEC_DRAFT", port=50051)
         a = p.parse_args(argv)
         return cls(ServerOptions.from_args(a), a.model, a.backend, a.dtype, a.device, a.max_cache_tokens,
-                   a.max_sessions, a.context_tokens, a.sparse_top, a.max_queue, a.threads)
+                   a.max_sessions, a.context_tokens, a.sparse_top, a.max_queue, a.threads, KVStoreOptions.from_args(a))

@@ -116,6 +116,10 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", default=None, help="write each service's log here (default: a temp folder)")
     p.add_argument("--redis-data", default="", help="keep sessions in an append-only file in this folder "
                    "(fsync every second), so they survive a restart; default: in memory only")
+    p.add_argument("--kv-store-mb", type=int, default=1024,
+                   help="the workers' KV tier: a private Redis of this many MB that keeps sessions' KV chunks "
+                        "(least recently used evicted), so that a restarted worker or a new session with a known "
+                        "prefix restores instead of prefilling; 0: off; KV_STORE_URL: use that Redis instead")
 
 
 def _gen_kwargs(a: argparse.Namespace) -> dict:
@@ -190,7 +194,8 @@ def _start_stack(a: argparse.Namespace):
     _stop_on_signals()
     log_dir = Path(a.log_dir) if a.log_dir else Path(tempfile.mkdtemp(prefix="specdec-logs-"))
     stack = Stack(target_model=a.target_model, draft_model=a.draft_model, redis_url=os.environ.get("REDIS_URL", ""),
-                  redis_data=a.redis_data, log_dir=log_dir, args={"draft": ["--backend", a.draft_backend]})
+                  redis_data=a.redis_data, log_dir=log_dir, args={"draft": ["--backend", a.draft_backend]},
+                  kv_store_url=os.environ.get("KV_STORE_URL", ""), kv_store_mb=a.kv_store_mb)
     stack.ports["coordinator"] = a.port
     if getattr(a, "openai_port", 0):
         stack.openai = True
@@ -206,7 +211,8 @@ def _start_stack(a: argparse.Namespace):
         _stop(stack)
         raise
     print(f"specdec: up in {time.perf_counter() - started:.0f} s; coordinator at {stack.address('coordinator')}, "
-          f"redis at {stack.redis_url}", file=sys.stderr)
+          f"redis at {stack.redis_url}" + (f", KV tier at {stack.kv_store_url}" if stack.kv_store_url else ""),
+          file=sys.stderr)
     return stack
 
 

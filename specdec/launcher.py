@@ -156,6 +156,8 @@ class Stack:
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     use_draft: bool = True
     openai: bool = False  # also serve the OpenAI-compatible HTTP API (ports["openai"])
+    kv_store_url: str = ""  # the workers' KV tier (a Redis apart from the session store)
+    kv_store_mb: int = 0  # without kv_store_url: start a private LRU Redis of this size for it (0: no tier)
 
     def address(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
@@ -176,12 +178,30 @@ class Stack:
         _wait_port(port, 10)
         return self.redis_url
 
+    def start_kv_store(self) -> str:
+        """The KV tier's Redis: kv_store_url, or a private one that evicts least recently used
+        chunks at kv_store_mb (never the session store: sessions must not be evicted)."""
+        if self.kv_store_url or not self.kv_store_mb:
+            return self.kv_store_url
+        port = free_port()
+        self.processes["kvstore"] = spawn(
+            [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", tempfile.gettempdir(), "--maxmemory", f"{self.kv_store_mb}mb",
+             "--maxmemory-policy", "allkeys-lru"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        self.kv_store_url = f"redis://127.0.0.1:{port}/0"
+        _wait_port(port, 10)
+        return self.kv_store_url
+
     def command(self, name: str) -> list[str]:
         """The command line of a service; `role#n` names another replica of `role`."""
         role = name.split("#")[0]
         port = self.ports.setdefault(name, free_port())
         cmd = [sys.executable, "-m", MODULES[role], "--host", "127.0.0.1", "--port", str(port)]
         threads = split_cores() if self.use_draft else {}
+        if role in ("target", "draft") and self.kv_store_url:
+            cmd += ["--kv-store-url", self.kv_store_url]
         if role == "target":
             cmd += ["--model", self.target_model, "--threads", str(threads.get("target", 0))]
         elif role == "draft":
@@ -217,6 +237,7 @@ class Stack:
     def up(self, wait_s: float = 600.0) -> None:
         """Redis, then the workers (in parallel: model loading is the slow part), then the coordinator."""
         self.start_redis()
+        self.start_kv_store()
         workers = ["draft", "target"] if self.use_draft else ["target"]
         for name in workers:
             self.start(name, wait_s=0)
@@ -245,7 +266,7 @@ class Stack:
         self.start(name, wait_s)
 
     def down(self) -> None:
-        order = {"openai": 0, "coordinator": 0, "draft": 1, "target": 1, "redis": 2}
+        order = {"openai": 0, "coordinator": 0, "draft": 1, "target": 1, "redis": 2, "kvstore": 2}
         for name in sorted(self.processes, key=lambda n: order.get(n.split("#")[0], 1)):
             self.stop(name)
 

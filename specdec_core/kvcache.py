@@ -134,6 +134,7 @@ class SessionCaches:
         try:
             keep = min(common_prefix_len(seq.token_ids, committed_ids), len(committed_ids) - 1)
             self.crop(seq, keep)
+            self._share(seq, committed_ids)
             if self.tier is not None:
                 self._restore(seq, committed_ids)
             yield seq
@@ -194,6 +195,20 @@ class SessionCaches:
             self.backend.crop(seq.handle, length)
             with self._lock:
                 del seq.token_ids[length:]
+                self._account(seq)
+
+    def _share(self, seq: CachedSequence, committed_ids: list[int]) -> None:
+        """Adopt the blocks of the committed prefix that other sessions already hold (a backend
+        that shares identical prefix blocks: no compute, no copy)."""
+        share = getattr(self.backend, "share_prefix", None)
+        limit = len(committed_ids) - 1
+        if share is None or len(seq.token_ids) >= limit:
+            return
+        length = share(seq.handle, committed_ids, limit)
+        if length != len(seq.token_ids):
+            with self._lock:
+                seq.token_ids[:] = committed_ids[:length]
+                seq.saved = min(seq.saved, length)
                 self._account(seq)
 
     def _restore(self, seq: CachedSequence, committed_ids: list[int]) -> None:
@@ -257,7 +272,10 @@ class SessionCaches:
 
     @property
     def num_free_units(self) -> int:
-        return self.capacity - self._held
+        """Free room: the backend's own count when it has one (sessions that share prefix blocks
+        hold them once), else capacity minus what the sessions hold."""
+        real = getattr(self.backend, "num_free_blocks", None)
+        return self.capacity - self._held if real is None else int(real)
 
     # Internals (the caller holds the lock)
 
@@ -277,7 +295,7 @@ class SessionCaches:
     def _make_room(self, units: int) -> bool:
         """Evict idle sessions, least recently used first, until `units` are free; evict nothing
         when even all of them would not make enough room."""
-        free = self.capacity - self._held
+        free = self.num_free_units
         if free >= units:
             return True
         idle = sorted((s.last_used, sid) for sid, s in self._sequences.items() if not s.is_in_use)
@@ -286,7 +304,7 @@ class SessionCaches:
         for _, sid in idle:
             self._drop(sid, self._sequences[sid])
             metrics.CACHE_EVICTIONS.labels(self.role).inc()
-            if self.capacity - self._held >= units:
+            if self.num_free_units >= units:
                 return True
         return False
 

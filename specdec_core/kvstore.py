@@ -30,6 +30,7 @@ apart from the session store, which must never evict.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import queue
 import struct
@@ -121,6 +122,8 @@ class KVTier:
         self.role = role
         self.agree = agree
         self.layout = backend.kv_layout()
+        # a backend that shares identical prefix blocks between sessions wants to know their tokens
+        self._import_takes_tokens = "token_ids" in inspect.signature(backend.import_kv).parameters
         identity = f"{model_fingerprint}|{self.layout}|tp={tp_size}/{tp_rank}|chunk={self.chunk}"
         self.model_digest = hashlib.blake2b(identity.encode(), digest_size=16).digest()
         self._key_prefix = f"{options.prefix}kv:{self.model_digest.hex()}:".encode()
@@ -195,7 +198,8 @@ class KVTier:
         if have > start:
             self.backend.crop(handle, start)
         try:
-            new_len = self.backend.import_kv(handle, start, blobs[:count])
+            extra = {"token_ids": token_ids[start:start + count * self.chunk]} if self._import_takes_tokens else {}
+            new_len = self.backend.import_kv(handle, start, blobs[:count], **extra)
         except Exception:  # noqa: BLE001 - all or nothing: the handle holds `start`; prefill the rest
             log.exception("KV tier: import failed")
             return start
@@ -328,6 +332,21 @@ class KVTier:
         self._down_until = time.monotonic() + backoff_s
 
 
+def open_tier(options: KVStoreOptions, backend, model_path: str, role: str, tp_size: int = 1, tp_rank: int = 0,
+              agree: Callable[[int], int] = lambda n: n) -> KVTier | None:
+    """The worker's KV tier when `options.url` names one (None otherwise). Its Redis calls time out
+    after a second and are not retried: a slow cache must not hold a round."""
+    if not options.url:
+        return None
+    if not all(hasattr(backend, m) for m in ("kv_layout", "export_kv", "import_kv")):
+        log.warning("KV tier: the %s backend cannot export KV; the tier stays off", getattr(backend, "name", "?"))
+        return None
+    from specdec_core.redis_client import connect_redis
+
+    client = connect_redis(options.url, retry_s=0, timeout_s=1.0)
+    return KVTier(client, backend, model_fingerprint(model_path), options, role, tp_size, tp_rank, agree)
+
+
 def model_fingerprint(path: str, samples: int = 16, sample_bytes: int = 1 << 16) -> str:
     """A cheap fingerprint of a model's weights: for each weight file (a .gguf, or a folder's
     *.safetensors / *.bin / *.gguf), its name, size and blake2b of `samples` slices spread over
@@ -335,6 +354,8 @@ def model_fingerprint(path: str, samples: int = 16, sample_bytes: int = 1 << 16)
     from pathlib import Path
 
     root = Path(path)
+    if not root.exists():  # a hub id that transformers resolves itself: its name is what we know
+        return hashlib.blake2b(path.encode(), digest_size=16).hexdigest()
     files = [root] if root.is_file() else sorted(
         p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf", ".json"))
     h = hashlib.blake2b(digest_size=16)

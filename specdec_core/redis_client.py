@@ -38,7 +38,7 @@ def redis_errors():
         raise
 
 
-def connect_redis(url: str, tls: TlsFiles = TlsFiles(), retry_s: float = 5.0) -> redis.Redis:
+def connect_redis(url: str, tls: TlsFiles = TlsFiles(), retry_s: float = 5.0, timeout_s: float = 5.0) -> redis.Redis:
     """A client for `url` that retries a dropped connection with backoff for about `retry_s`
     seconds (long enough to ride out a Sentinel failover), then lets the error through (UNAVAILABLE).
 
@@ -47,7 +47,7 @@ def connect_redis(url: str, tls: TlsFiles = TlsFiles(), retry_s: float = 5.0) ->
     TLS): the master that the sentinels name, found again after a failover. The password is the
     same for the sentinels and the servers. tls: the CA that signed the servers' certificates, and
     a client certificate and key when Redis requires mutual TLS."""
-    options = dict(socket_timeout=5, socket_connect_timeout=2, health_check_interval=30,
+    options = dict(socket_timeout=timeout_s, socket_connect_timeout=min(2.0, timeout_s), health_check_interval=30,
                    retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), _retries(retry_s)),
                    retry_on_error=[redis.ConnectionError, redis.TimeoutError])
     parts = urlsplit(url)

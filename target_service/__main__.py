@@ -17,7 +17,8 @@ from specdec_core.admission import Lanes
 from specdec_core.batched_backend import BatchedBackend
 from specdec_core.hf_backend import HFBackend
 from specdec_core.kvcache import SessionCaches
-from specdec_core.models import load_causal_lm
+from specdec_core.kvstore import open_tier
+from specdec_core.models import load_causal_lm, resolve_model
 from specdec_core.logs import setup_logging
 from specdec_core.server import create_server, serve
 from target_service import tensor_parallel as tp
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     if tp.world_size() > 1:
         return serve_tensor_parallel(cfg)
     log.info("loading target model %s (%s on %s)", cfg.model, cfg.dtype, cfg.device)
-    run_server(cfg, make_backend(cfg, load_causal_lm(cfg.model, cfg.dtype, cfg.device)))
+    backend = make_backend(cfg, load_causal_lm(cfg.model, cfg.dtype, cfg.device))
+    run_server(cfg, backend, open_tier(cfg.kv_store, backend, resolve_model(cfg.model), "target"))
 
 
 def make_backend(cfg: TargetConfig, model):
@@ -57,12 +59,14 @@ def serve_tensor_parallel(cfg: TargetConfig) -> None:
     device, control = tp.init(cfg.device, cfg.dist_timeout_s)
     log.info("rank %d/%d: loading target model %s (%s on %s)", tp.rank(), tp.world_size(), cfg.model, cfg.dtype, device)
     local = make_backend(cfg, load_causal_lm(cfg.model, cfg.dtype, device, tensor_parallel=True))
+    tier = open_tier(cfg.kv_store, local, resolve_model(cfg.model), "target", tp.world_size(), tp.rank(),
+                     agree=tp.agree_min(control))
     if tp.rank() > 0:
-        tp.follow(local, control)
+        tp.follow(local, control, tier)
         return
-    backend = tp.ReplicatedBackend(local, control, on_failure=_die)
+    backend = tp.ReplicatedBackend(local, control, on_failure=_die, tier=tier)
     try:
-        run_server(cfg, backend)
+        run_server(cfg, backend, backend.tier)
     finally:
         backend.shutdown()
 
@@ -73,8 +77,8 @@ def _die(exc: BaseException) -> None:
     os._exit(3)
 
 
-def run_server(cfg: TargetConfig, backend) -> None:
-    caches = SessionCaches(backend, role="target")
+def run_server(cfg: TargetConfig, backend, tier=None) -> None:
+    caches = SessionCaches(backend, role="target", tier=tier)
     verifier = Verifier(caches, backend.max_context, cfg.batch_window_ms / 1e3, cfg.max_batch, cfg.max_queue)
     service = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
     server = create_server(Lanes(frozenset({f"/{service}/Verify"}), work=cfg.max_queue))

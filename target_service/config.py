@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from specdec_core.kvstore import KVStoreOptions
 from specdec_core.server import ServerOptions
 
 
@@ -23,6 +24,7 @@ class TargetConfig:
     max_batch: int = 32
     max_queue: int = 64
     threads: int = 0
+    kv_store: KVStoreOptions = KVStoreOptions()
 
     def __post_init__(self):
         if self.max_cache_tokens < 1:
@@ -69,8 +71,9 @@ class TargetConfig:
         p.add_argument("--threads", type=int, default=int(env("SPECDEC_TARGET_THREADS", cls.threads)),
                        help="torch intra-op threads on CPU (0: torch's default, one per core); on a machine "
                             "shared with the draft worker, give each its own cores")
+        KVStoreOptions.add_flags(p, "SPECDEC_TARGET")
         ServerOptions.add_flags(p, "SPECDEC_TARGET", port=50052)
         a = p.parse_args(argv)
         return cls(ServerOptions.from_args(a), a.model, a.dtype, a.device, a.max_cache_tokens,
                    a.tensor_parallel_size, a.dist_timeout, a.kv_cache, a.batch_window_ms, a.max_batch, a.max_queue,
-                   a.threads)
+                   a.threads, KVStoreOptions.from_args(a))

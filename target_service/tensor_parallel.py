@@ -7,6 +7,10 @@ free, forward) must run on all ranks in the same order. Rank 0 serves gRPC and d
 data backend) before it runs locally; the other ranks sit in `follow()` and replay the calls.
 Logits come out replicated on every rank; rank 0 uses its own.
 
+KV tier: every rank stores and restores its own shard's chunks (its own keys: the rank is part
+of the model identity). A restore is broadcast like any call; the ranks then agree on the number
+of chunks all of them found (an all-reduce MIN) before any imports, so the shards stay in step.
+
 Failure: a collective that fails (a rank died) or times out makes rank 0 report NOT_SERVING and
 exit non-zero; torchrun then stops the remaining ranks. Nothing hangs: rank 0 pings the followers
 while idle so that their receive never outlives the group timeout by accident.
@@ -61,13 +65,16 @@ class ReplicatedBackend:
     """Rank 0's backend: runs each call on every rank. Same interface as the local backend."""
 
     def __init__(self, local, control: dist.ProcessGroup, on_failure: Callable[[BaseException], None],
-                 ping_every_s: float = 5.0):
+                 ping_every_s: float = 5.0, tier=None):
         self.local = local
+        self.tier = None if tier is None else ReplicatedTier(self, tier)
         self.control = control
         self.on_failure = on_failure
         self.name, self.vocab_size = local.name, local.vocab_size
         self.max_context, self.dtype, self.device = local.max_context, local.dtype, local.device
         self.capacity, self.units_for = local.capacity, local.units_for  # rank 0's state mirrors every rank's
+        if not hasattr(local, "share_prefix"):  # a backend that shares no blocks (SessionCaches checks)
+            self.share_prefix = None
         self._handles: dict[int, object] = {}
         self._next_handle = 0
         self._lock = threading.Lock()
@@ -93,6 +100,13 @@ class ReplicatedBackend:
     def forward(self, handle: int, token_ids: list[int], start: int, num_logits: int | None = None) -> torch.Tensor:
         return self._call("forward", handle, token_ids, start, num_logits)
 
+    def share_prefix(self, handle: int, token_ids: list[int], limit: int) -> int:
+        return self._call("share_prefix", handle, token_ids, limit)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.local.num_free_blocks  # rank 0's pool mirrors every rank's
+
     def forward_batch(self, items: list[tuple[int, list[int], int]],
                       num_logits: list[int] | None = None) -> list[torch.Tensor]:
         with self._lock:
@@ -105,11 +119,34 @@ class ReplicatedBackend:
         with self._lock:
             self._broadcast(("stop",))
 
-    def _call(self, op: str, handle: int, *args):
+    def _call(self, op: str, handle: int, *args, on=None):
         with self._lock:
             self._check_handles([handle])
             self._broadcast((op, handle, *args))
-            return getattr(self.local, op)(self._handles[handle], *args)
+            return getattr(on or self.local, op.removeprefix("kv_"))(self._handles[handle], *args)
+
+
+class ReplicatedTier:
+    """Rank 0's KV tier: each save and restore runs on every rank, on that rank's own tier."""
+
+    def __init__(self, backend: ReplicatedBackend, local_tier):
+        self.backend, self.local = backend, local_tier
+        self.chunk = local_tier.chunk
+
+    def save(self, handle: int, token_ids: list[int], saved: int, upto: int) -> int:
+        return self.backend._call("kv_save", handle, token_ids, saved, upto, on=self.local)
+
+    def restore(self, handle: int, token_ids: list[int], have: int, limit: int) -> int:
+        return self.backend._call("kv_restore", handle, token_ids, have, limit, on=self.local)
+
+
+def agree_min(control: dist.ProcessGroup) -> Callable[[int], int]:
+    """For the KV tier: the smallest of every rank's number (each rank calls it once, in step)."""
+    def agree(n: int) -> int:
+        t = torch.tensor([n], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control)
+        return int(t)
+    return agree
 
     def _check_handles(self, handles: list[int]) -> None:
         """Refuse a call on rank 0 before any rank sees it: followers only replay calls that
@@ -134,8 +171,8 @@ class ReplicatedBackend:
                     return
 
 
-def follow(local, control: dist.ProcessGroup) -> None:
-    """Ranks > 0: replay rank 0's calls on the local shard until told to stop."""
+def follow(local, control: dist.ProcessGroup, tier=None) -> None:
+    """Ranks > 0: replay rank 0's calls on the local shard (and its KV tier) until told to stop."""
     handles: dict[int, object] = {}
     while True:
         box = [None]
@@ -146,7 +183,7 @@ def follow(local, control: dist.ProcessGroup) -> None:
         if op == "ping":
             continue
         try:
-            _replay(local, handles, op, args)
+            _replay(tier if op.startswith("kv_") else local, handles, op.removeprefix("kv_"), args)
         except Exception:  # noqa: BLE001 - rank 0 met the same error and answered it; stay in step
             log.exception("rank %d: %s failed", rank(), op)
 
