@@ -9,6 +9,22 @@ independently through `llama_memory_seq_rm` and per-token sequence ids in a `lla
 The KV memory is not unified: every sequence gets its own stream of `n_ctx` cells (total
 `n_ctx * max_sequences`), so a session can always hold `n_ctx` tokens and attention for one
 sequence never scans the others' cells.
+
+KV export and import work on token ranges of one sequence, so that a content-addressed store can
+keep fixed-size chunks of a session's KV and restore them into a fresh worker. llama.cpp only
+copies whole sequences (`llama_state_seq_get_data` / `_set_data`), so export reads a sequence's
+state once and cuts the ranges out of it, and import reads the sequence's current state, splices
+the new cells in behind it and writes the whole state back in one call. The state is parsed with
+the byte format of `llama_kv_cache::state_write` (checked against its total length, so a llama.cpp
+that changes it fails loudly rather than silently): a context header (magic, source sequence id),
+n_stream, then per stream its cell count and, for the one stream that holds the sequence, per cell
+(pos, n_seq_id = 1, seq_id), then v_trans, n_layer, per layer (K type, row bytes, one row per
+cell), and per layer V either as (type, row bytes, rows) or, transposed, as (type, element bytes,
+n_embd_v, and per embedding component the cells' elements). A blob is canonical and token-major:
+per token, its K rows of all layers then its V rows of all layers (transposed V is turned back
+into rows), a fixed `bytes per token` with no positions in it; blobs of consecutive ranges
+concatenate into the blob of their union. The byte layout is probed once at start-up by decoding
+one token into a scratch sequence.
 """
 
 from __future__ import annotations
@@ -16,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import struct
 import threading
 
 import llama_cpp
@@ -27,6 +44,7 @@ from specdec_core.kvcache import logits_per_item
 logger = logging.getLogger(__name__)
 
 _GGML_LOG_LEVEL_ERROR = 3
+_STATE_MAGIC = 0xAF143CD8  # the first u32 of llama_state_seq_get_data's output (llama-cpp-python 0.3.36)
 
 
 @llama_cpp.llama_log_callback
@@ -87,6 +105,15 @@ class LlamaCppBackend:
         self.n_batch = n_batch
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self._free_ids = list(range(self.max_sequences - 1, -1, -1))  # pop() hands out 0 first
+        try:  # a scratch token in sequence 0 shows the KV byte layout
+            self._decode([(0, [0], 0)], [(0, 0, False)])
+            _, _, _, self._kv_spec = self._read_state(0)
+        except Exception:
+            self.close()
+            raise
+        llama_cpp.llama_memory_seq_rm(self._memory, 0, -1, -1)
+        v_trans, k_specs, v_specs = self._kv_spec
+        self.kv_bytes_per_token = sum(row for _, row in k_specs) + sum(self._v_width(v) for v in v_specs)
 
     @property
     def capacity(self) -> int:
@@ -172,6 +199,189 @@ class LlamaCppBackend:
             for handle, _, start in items:
                 llama_cpp.llama_memory_seq_rm(self._memory, handle, start, -1)
             raise RuntimeError(f"llama_decode failed with {rc}")
+
+    def kv_layout(self) -> str:
+        """Identifies the byte layout of exported KV: backends that give the same string take each
+        other's blobs. It names the KV types and row sizes per layer, and v_trans: a transposed V
+        gives the same canonical bytes, but it means flash attention is off, which computes other
+        numbers, so such blobs are kept apart. It does not name the model: key stored blobs by both."""
+        v_trans, k_specs, v_specs = self._kv_spec
+
+        def specs(rows: list[tuple[int, int]]) -> str:
+            names = [f"(type {t},row {r})" for t, r in rows]
+            return f"{len(names)}x{names[0]}" if len(set(names)) == 1 else ";".join(names)
+
+        return (f"llama.cpp-kv-v1 v_trans={v_trans} layers={len(k_specs)} k={specs(k_specs)} "
+                f"v={specs([(v[0], self._v_width(v)) for v in v_specs])} bytes/token={self.kv_bytes_per_token}")
+
+    def export_kv(self, handle: int, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """The KV of positions [start, end) of sequence `handle`, one blob per range (each inside
+        the `num_cached(handle)` tokens the sequence holds), `kv_bytes_per_token` bytes per token,
+        token-major (see the module docstring). One llama_state_seq_get_data call copies the whole
+        sequence; every range is cut out of that copy."""
+        with self._lock:
+            self._check_open()
+            cached = self.num_cached(handle)
+            for lo, hi in ranges:
+                if not 0 <= lo <= hi <= cached:
+                    raise ValueError(f"range [{lo}, {hi}) is not inside the {cached} tokens of sequence {handle}")
+            if not ranges:
+                return []
+            pos, ks, vs, _ = self._read_state(handle)
+            order = np.argsort(pos, kind="stable")
+            if not np.array_equal(pos[order], np.arange(len(pos))):
+                raise RuntimeError(f"sequence {handle} does not hold positions 0..{cached - 1} once each")
+            in_order = np.array_equal(order, np.arange(len(pos)))
+            blobs = []
+            for lo, hi in ranges:
+                cells = slice(lo, hi) if in_order else order[lo:hi]
+                rows = [a[cells].reshape(hi - lo, -1) for a in (*ks, *vs)] if hi > lo else []
+                blobs.append(np.concatenate(rows, axis=1).tobytes() if rows else b"")
+            return blobs
+
+    def import_kv(self, handle: int, start: int, blobs: list[bytes]) -> int:
+        """Append the cells of consecutive blobs (as export_kv made them) at positions start,
+        start + 1, ... to sequence `handle`, which holds exactly `start` tokens; returns the new
+        length. The sequence's state is read (when start > 0), the new cells are spliced in behind
+        its cells (put in position order) and the whole is written back with one
+        llama_state_seq_set_data call.
+
+        Raises ValueError when a blob is not a whole number of tokens, the sequence does not hold
+        `start` tokens or the result would not fit; the sequence is then untouched. Should llama.cpp
+        refuse the state (it empties the sequence when it does), the original state is written back
+        and the sequence holds its `start` tokens again (emptied only if even that is refused, which
+        the message says) before the ValueError is raised: never a half-imported sequence."""
+        with self._lock:
+            self._check_open()
+            width = self.kv_bytes_per_token
+            for i, blob in enumerate(blobs):
+                if len(blob) % width:
+                    raise ValueError(f"blob {i} has {len(blob)} bytes, not a multiple of {width} per token")
+            added = sum(len(b) for b in blobs) // width
+            cached = self.num_cached(handle)
+            if cached != start:
+                raise ValueError(f"sequence {handle} holds {cached} tokens, not {start}")
+            if start + added > self.max_context:
+                raise ValueError(f"{start} + {added} tokens exceed {self.max_context}")
+            if added == 0:
+                return start
+            new = np.frombuffer(b"".join(blobs), dtype=np.uint8).reshape(added, width)
+            old = self._state_bytes(handle) if start else None
+            state = self._build_state(handle, old, new)
+            if llama_cpp.llama_state_seq_set_data(self._ctx, self._u8(state), len(state), handle) != len(state):
+                restored = old is not None and llama_cpp.llama_state_seq_set_data(
+                    self._ctx, self._u8(old), len(old), handle) == len(old)
+                if not restored:
+                    llama_cpp.llama_memory_seq_rm(self._memory, handle, -1, -1)
+                raise ValueError(f"llama.cpp refused the imported KV of sequence {handle}; it now holds "
+                                 f"{start if restored else 0} tokens")
+            return start + added
+
+    @staticmethod
+    def _u8(data: np.ndarray):
+        return data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+
+    @staticmethod
+    def _v_width(spec: tuple[int, ...]) -> int:
+        """Bytes per token of one layer's V: (type, row bytes) or, transposed, (type, element bytes, n_embd_v)."""
+        return spec[1] if len(spec) == 2 else spec[1] * spec[2]
+
+    def _state_bytes(self, handle: int) -> np.ndarray:
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, handle)
+        data = np.empty(size, dtype=np.uint8)
+        if llama_cpp.llama_state_seq_get_data(self._ctx, self._u8(data), size, handle) != size:
+            raise RuntimeError(f"llama.cpp could not copy the state of sequence {handle}")
+        return data
+
+    def _read_state(self, handle: int, data: np.ndarray | None = None):
+        """The sequence's state (read now unless given) parsed: cell positions [n], per layer K
+        [n, row] and V [n, row] or, transposed, [n, n_embd_v, element] (views into the state
+        bytes), and the layout spec (v_trans, K specs, V specs)."""
+        data = self._state_bytes(handle) if data is None else data
+        off = 0
+
+        def block(size: int) -> np.ndarray:
+            nonlocal off
+            if off + size > len(data):
+                raise RuntimeError("llama.cpp's sequence state is shorter than its format says")
+            off += size
+            return data[off - size : off]
+
+        def take(fmt: str) -> tuple[int, ...]:
+            return struct.unpack(fmt, block(struct.calcsize(fmt)))
+
+        magic, _, n_stream = take("<III")
+        if magic != _STATE_MAGIC:
+            raise RuntimeError(f"unknown llama.cpp sequence state format (magic {magic:#x})")
+        pos, ks, vs, spec = np.zeros(0, dtype=np.int32), [], [], None
+        for _ in range(n_stream):
+            (n,) = take("<I")
+            if n == 0:
+                continue
+            if spec is not None:
+                raise RuntimeError(f"sequence {handle} lies in more than one KV stream")
+            meta = block(12 * n).view("<i4").reshape(n, 3)  # pos, n_seq_id, seq_id
+            if not (meta[:, 1] == 1).all():
+                raise RuntimeError("unexpected per-cell sequence ids in llama.cpp's state")
+            pos = meta[:, 0].copy()
+            v_trans, n_layer = take("<II")
+            k_specs, v_specs = [], []
+            for _ in range(n_layer):
+                k_specs.append(take("<iQ"))
+                ks.append(block(n * k_specs[-1][1]).reshape(n, -1))
+            for _ in range(n_layer):
+                if v_trans:  # the state holds [n_embd_v, n, element]
+                    v_specs.append(take("<iII"))
+                    _, el, n_embd = v_specs[-1]
+                    vs.append(block(n * n_embd * el).reshape(n_embd, n, el).transpose(1, 0, 2))
+                else:
+                    v_specs.append(take("<iQ"))
+                    vs.append(block(n * v_specs[-1][1]).reshape(n, -1))
+            spec = (v_trans, k_specs, v_specs)
+        if off != len(data):
+            raise RuntimeError(f"llama.cpp's sequence state has {len(data) - off} bytes more than its format")
+        return pos, ks, vs, spec
+
+    def _build_state(self, handle: int, old: np.ndarray | None, new: np.ndarray) -> np.ndarray:
+        """A state of sequence `handle`: the cells of the state `old` (or none) in position order,
+        then the token-major rows `new` [m, kv_bytes_per_token] at the positions after them."""
+        v_trans, k_specs, v_specs = self._kv_spec
+        ks, vs, start = [None] * len(k_specs), [None] * len(v_specs), 0
+        if old is not None:
+            pos, ks, vs, spec = self._read_state(handle, old)
+            order = np.argsort(pos, kind="stable")
+            if spec != self._kv_spec or not np.array_equal(pos[order], np.arange(len(pos))):
+                raise RuntimeError(f"sequence {handle}'s state is not positions 0.. in the start-up KV layout")
+            if not np.array_equal(order, np.arange(len(pos))):
+                ks, vs = [k[order] for k in ks], [v[order] for v in vs]
+            start = len(pos)
+        m = len(new)
+        n = start + m
+        meta = np.empty((n, 3), dtype="<i4")
+        meta[:, 0], meta[:, 1], meta[:, 2] = np.arange(n), 1, handle
+        n_stream = self.max_sequences  # kv_unified=False: one stream per sequence
+        counts = np.zeros(n_stream, dtype="<u4")
+        counts[handle] = n
+        parts = [struct.pack("<III", _STATE_MAGIC, handle, n_stream), counts[: handle + 1].tobytes(),
+                 meta.tobytes(), struct.pack("<II", v_trans, len(k_specs))]
+
+        def joined(prev: np.ndarray | None, cur: np.ndarray) -> np.ndarray:
+            return cur if prev is None else np.concatenate([prev, cur])
+
+        col = 0
+        for (k_type, k_row), prev in zip(k_specs, ks):
+            parts += [struct.pack("<iQ", k_type, k_row), joined(prev, new[:, col : col + k_row]).tobytes()]
+            col += k_row
+        for v_spec, prev in zip(v_specs, vs):
+            cur = new[:, col : col + self._v_width(v_spec)]
+            col += self._v_width(v_spec)
+            if v_trans:  # back to [n_embd_v, n, element]
+                cur = cur.reshape(m, v_spec[2], v_spec[1])
+                parts += [struct.pack("<iII", *v_spec), joined(prev, cur).transpose(1, 0, 2).tobytes()]
+            else:
+                parts += [struct.pack("<iQ", *v_spec), joined(prev, cur).tobytes()]
+        parts.append(counts[handle + 1 :].tobytes())
+        return np.frombuffer(b"".join(parts), dtype=np.uint8)
 
     def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         """Token ids of text; special tokens such as <|im_start|> are parsed."""

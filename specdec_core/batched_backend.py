@@ -19,7 +19,22 @@ How it works (the CPU path of transformers' continuous batching, with our own bo
   all of them, which made 8 one-token decodes at 600-token contexts cost 512 ms instead of 178 ms.
 - the LM head runs only on the rows whose logits the caller reads (`num_logits`).
 Nothing is copied per step but the gathered keys/values of the sessions in the batch (what a
-paged-attention kernel reads anyway); crop and free only edit block tables.
+paged-attention kernel reads anyway); crop and free only edit block tables (and reference counts).
+
+Prefix sharing: sessions whose tokens begin alike (a common system prompt, a document several
+requests ask about) hold the identical full blocks of that prefix once, and a new session adopts
+them (`share_prefix`) instead of computing them: no forward pass, no copy. A handle knows the token
+ids its KV stands for (forward_batch appends them; import_kv when given `token_ids`) and the prefix
+hash of each full block (a chain: h_b = blake2b(h_{b-1} + block b's tokens as int32), so a hash
+names the block's tokens and everything before them). The backend indexes full blocks by prefix
+hash (the first block with a hash keeps the entry) and counts each block's holders: crop and free
+drop a reference, and a block goes back to the free list (and out of the index) at zero.
+Copy-on-write: a block held more than once is never written. Writes only go at positions >= a
+handle's length, so the one case is a handle cut back into the middle of a shared block and then
+extended: it first gets a fresh block with a copy of the slots it kept (one block more than its
+new tokens alone need: `blocks_needed`). A privately held indexed block leaves the index before
+its tail is overwritten. A handle whose tokens are not known (an import without `token_ids`)
+shares nothing beyond the part that is known until it is cut back below it.
 
 Why not transformers' `PagedAttentionCache` itself: it works on CPU (index-based update plus the
 same kind of dense block-diagonal mask, with `attn_implementation="sdpa"`), but building one
@@ -38,6 +53,8 @@ items); a single item always runs whole.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import threading
 from typing import Any
 
@@ -55,17 +72,26 @@ _SUPPORTED_ATTENTION = ("sdpa", "eager", _ATTENTION)
 
 
 class PagedSequence:
-    """A handle: one session's block table and the number of tokens whose KV it holds."""
+    """A handle: one session's block table and the number of tokens whose KV it holds; for prefix
+    sharing, the token ids of the first `len(tokens)` of them (all of them unless an import did
+    not name its tokens) and the prefix hashes of its full blocks among those."""
 
-    __slots__ = ("owner", "blocks", "length")
+    __slots__ = ("owner", "blocks", "length", "tokens", "hashes")
 
     def __init__(self, owner: BatchedBackend):
         self.owner = owner
         self.blocks: list[int] = []
         self.length = 0
+        self.tokens: list[int] = []  # a prefix of the held tokens (len <= length)
+        self.hashes: list[bytes] = []  # prefix hash of each full block of `tokens`
 
     def __repr__(self) -> str:
         return f"PagedSequence(length={self.length}, blocks={len(self.blocks)})"
+
+
+def block_hash(prev: bytes, tokens: list[int]) -> bytes:
+    """The prefix hash of a block: the previous block's (b"" for the first) and this block's tokens."""
+    return hashlib.blake2b(prev + struct.pack(f"<{len(tokens)}i", *tokens), digest_size=16).digest()
 
 
 class _Item:
@@ -175,9 +201,13 @@ class BatchedBackend:
         self.max_tokens = self.num_blocks * self.block_size
         self.max_attention_elements = int(max_attention_elements)
         self._free_blocks = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._refs = [0] * self.num_blocks  # holders per block (0: in the free list)
+        self._index: dict[bytes, int] = {}  # prefix hash -> a full block holding exactly that
+        self._indexed: dict[int, bytes] = {}  # the reverse of _index
         self._k_pools: dict[int, torch.Tensor] = {}
         self._v_pools: dict[int, torch.Tensor] = {}
-        self._lock = threading.Lock()  # guards the free list, block tables and pool creation
+        # guards the free list, reference counts, the index, block tables and pool creation
+        self._lock = threading.Lock()
         self._no_mask = torch.zeros(1, 1, 1, 1, dtype=self.torch_dtype, device=self.device)
 
     # ------------------------------------------------------------------------------------------
@@ -242,8 +272,9 @@ class BatchedBackend:
             for group in self._groups(items):
                 for i, logits in zip(group, self._run([items[i] for i in group], [keep[i] for i in group])):
                     results[i] = logits
-            for handle, token_ids, start in items:
-                handle.length = start + len(token_ids)
+            with self._lock:
+                for handle, token_ids, start in items:
+                    self._appended(handle, start, token_ids)
         except BaseException:
             with self._lock:
                 for handle, _, start in items:
@@ -256,6 +287,58 @@ class BatchedBackend:
     @property
     def num_free_blocks(self) -> int:
         return len(self._free_blocks)
+
+    # ------------------------------------------------------------------------------------------
+    # Prefix sharing
+
+    def share_prefix(self, handle: PagedSequence, token_ids: list[int], limit: int) -> int:
+        """Adopt the indexed full blocks that continue the handle's tokens along token_ids, up to
+        `limit` tokens (whole blocks only): the handle holds a prefix of token_ids (its `length`
+        tokens). A partial last block is dropped first, and only when at least one block follows
+        it. Returns the handle's new length. No forward pass, no copy; nothing to undo."""
+        self._check_handle(handle)
+        bs = self.block_size
+        with self._lock:
+            length = handle.length
+            first, last = length // bs, min(limit, len(token_ids)) // bs
+            if last <= first or len(handle.tokens) < length:  # nothing to gain, or tokens not known
+                return length
+            if handle.tokens != list(token_ids[:length]):
+                raise ValueError("share_prefix: the handle's tokens are not a prefix of token_ids")
+            prev = handle.hashes[-1] if handle.hashes else b""
+            found: list[tuple[bytes, int]] = []
+            for b in range(first, last):
+                prev = block_hash(prev, token_ids[b * bs:(b + 1) * bs])
+                block = self._index.get(prev)
+                if block is None:
+                    break
+                found.append((prev, block))
+            if not found:
+                return length
+            for _, block in found:  # before the release below, which may drop the same block
+                self._refs[block] += 1
+            dropped = handle.blocks[first:]  # the partial last block, if any
+            del handle.blocks[first:]
+            for block in dropped:
+                self._release(block)
+            handle.blocks.extend(block for _, block in found)
+            handle.hashes.extend(h for h, _ in found)
+            handle.length = (first + len(found)) * bs
+            handle.tokens[first * bs:] = map(int, token_ids[first * bs:handle.length])
+            return handle.length
+
+    def blocks_needed(self, handle: PagedSequence, length: int) -> int:
+        """Blocks the pool must hand out for the handle to grow to `length` tokens: its new blocks,
+        plus one when its next write falls inside a shared block (copy-on-write)."""
+        self._check_handle(handle)
+        with self._lock:
+            return self._needs(handle, handle.length, max(0, length - handle.length))
+
+    @property
+    def shared_blocks(self) -> int:
+        """Blocks held by more than one handle."""
+        with self._lock:
+            return sum(1 for r in self._refs if r > 1)
 
     # ------------------------------------------------------------------------------------------
     # KV export and import (the Redis KV tier, `specdec_core.kvstore`)
@@ -286,10 +369,13 @@ class BatchedBackend:
         return blobs
 
     @torch.inference_mode()
-    def import_kv(self, handle: PagedSequence, start: int, blobs: list[bytes]) -> int:
+    def import_kv(self, handle: PagedSequence, start: int, blobs: list[bytes],
+                  token_ids: list[int] | None = None) -> int:
         """Append the tokens of consecutive blobs (as export_kv made them) after the `start` tokens
-        the handle holds; its new length. All or nothing: a blob that is not a whole number of
-        tokens raises ValueError, no room raises ResourceExhausted, and the handle keeps `start`."""
+        the handle holds; its new length. `token_ids`: the tokens the blobs hold, if known (then
+        their full blocks can be shared; without them nothing past `start` is). All or nothing: a
+        blob that is not a whole number of tokens (or token_ids of another length) raises
+        ValueError, no room raises ResourceExhausted, and the handle keeps `start`."""
         self._check_handle(handle)
         if handle.length != start:
             raise ValueError(f"handle holds {handle.length} tokens, the import says start={start}")
@@ -300,6 +386,8 @@ class BatchedBackend:
         if any(len(b) == 0 or len(b) % token_bytes for b in blobs):
             raise ValueError(f"a KV blob is not a whole number of tokens of {token_bytes} bytes")
         total = sum(len(b) // token_bytes for b in blobs)
+        if token_ids is not None and len(token_ids) != total:
+            raise ValueError(f"{len(token_ids)} token_ids for {total} imported tokens")
         with self._lock:
             self._reserve_blocks([(handle, range(total), start)])
         try:
@@ -313,7 +401,11 @@ class BatchedBackend:
                     self._k_pools[layer].index_copy_(0, slots, data[2 * layer])
                     self._v_pools[layer].index_copy_(0, slots, data[2 * layer + 1])
                 pos += n
-            handle.length = pos
+            with self._lock:
+                if token_ids is None:
+                    handle.length = pos  # tokens past `start` unknown: handle.tokens stops short
+                else:
+                    self._appended(handle, start, token_ids)
         except BaseException:
             with self._lock:
                 handle.length = start
@@ -343,25 +435,97 @@ class BatchedBackend:
             raise ValueError(f"{handle!r} is not a handle of this backend")
 
     def _trim_blocks(self, handle: PagedSequence) -> None:
-        """Release the blocks beyond what handle.length needs (caller holds the lock)."""
-        keep = self.units_for(handle.length)
+        """Release the blocks beyond what handle.length needs and forget the tokens and hashes
+        past it (caller holds the lock)."""
+        length, bs = handle.length, self.block_size
+        keep = self.units_for(length)
         if len(handle.blocks) > keep:
             released = handle.blocks[keep:]
             del handle.blocks[keep:]
-            self._free_blocks.extend(reversed(released))
+            for block in reversed(released):  # the free list hands out low ids first
+                self._release(block)
+        del handle.tokens[length:]
+        del handle.hashes[length // bs:]
+        if length % bs and self._refs[handle.blocks[-1]] == 1:
+            self._unindex(handle.blocks[-1])  # its own block, partial now: its tail will be overwritten
+
+    def _needs(self, handle: PagedSequence, start: int, n: int) -> int:
+        """Free blocks that appending n tokens at `start` (= handle.length) takes (lock held)."""
+        if n == 0:
+            return 0
+        need = self.units_for(start + n) - len(handle.blocks)
+        if start % self.block_size and self._refs[handle.blocks[start // self.block_size]] > 1:
+            need += 1  # copy-on-write of the shared block the first new token lands in
+        return need
 
     def _reserve_blocks(self, items) -> None:
-        """Give every handle the blocks its new tokens need, or nothing at all (lock held)."""
-        needs = [max(0, self.units_for(start + len(ids)) - len(h.blocks)) for h, ids, start in items]
+        """Give every handle the blocks its new tokens need, copying a shared block its first new
+        token would land in, or do nothing at all (lock held)."""
+        needs = [self._needs(h, start, len(ids)) for h, ids, start in items]
         total = sum(needs)
         if total > len(self._free_blocks):
             raise ResourceExhausted(
                 f"KV cache full: this batch needs {total} more blocks of {self.block_size} tokens, "
                 f"{len(self._free_blocks)} of {self.num_blocks} are free (capacity {self.max_tokens} tokens)"
             )
-        for (handle, _, _), need in zip(items, needs):
-            for _ in range(need):
-                handle.blocks.append(self._free_blocks.pop())
+        bs = self.block_size
+        for handle, ids, start in items:
+            if not len(ids):
+                continue
+            b, kept = divmod(start, bs)
+            if kept:  # the first new token lands in the handle's partial last block
+                old = handle.blocks[b]
+                if self._refs[old] > 1:  # shared: never written; continue in a private copy
+                    new = self._take_block()
+                    self._copy_slots(old, new, kept)
+                    handle.blocks[b] = new
+                    self._release(old)
+                else:
+                    self._unindex(old)
+            for _ in range(self.units_for(start + len(ids)) - len(handle.blocks)):
+                handle.blocks.append(self._take_block())
+
+    def _appended(self, handle: PagedSequence, start: int, token_ids) -> None:
+        """Bookkeeping after token_ids were written at `start` (lock held): the new length, and
+        the tokens and indexed full blocks when the handle's tokens up to `start` are known."""
+        handle.length = start + len(token_ids)
+        if len(handle.tokens) != start:
+            return  # tokens before `start` unknown: the new ones cannot be hashed either
+        handle.tokens.extend(map(int, token_ids))
+        bs = self.block_size
+        prev = handle.hashes[-1] if handle.hashes else b""
+        for b in range(len(handle.hashes), handle.length // bs):
+            prev = block_hash(prev, handle.tokens[b * bs:(b + 1) * bs])
+            handle.hashes.append(prev)
+            block = handle.blocks[b]
+            if prev not in self._index and block not in self._indexed and self._refs[block] == 1:
+                self._index[prev] = block
+                self._indexed[block] = prev
+
+    def _take_block(self) -> int:
+        block = self._free_blocks.pop()
+        self._refs[block] = 1
+        return block
+
+    def _release(self, block: int) -> None:
+        """Drop one reference; the last one returns the block to the free list (lock held)."""
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            self._unindex(block)
+            self._free_blocks.append(block)
+
+    def _unindex(self, block: int) -> None:
+        h = self._indexed.pop(block, None)
+        if h is not None:
+            del self._index[h]
+
+    @torch.inference_mode()
+    def _copy_slots(self, src: int, dst: int, n: int) -> None:
+        """Copy the first n slots of block src to block dst, keys and values of every layer."""
+        bs = self.block_size
+        for pools in (self._k_pools, self._v_pools):
+            for pool in pools.values():
+                pool[dst * bs:dst * bs + n] = pool[src * bs:src * bs + n]
 
     def _groups(self, items) -> list[list[int]]:
         """Consecutive runs of non-empty items whose attention scores (new tokens x keys, summed

@@ -157,9 +157,11 @@ class SessionCaches:
         fit take no room, so the others run; the caller refuses those alone. Room made here
         stays free until the caller's forward passes (one engine thread per worker)."""
         admitted, need = [], 0
+        blocks_needed = getattr(self.backend, "blocks_needed", None)  # counts copy-on-write of shared blocks
         with self._lock:
             for seq, length in items:
-                extra = max(0, self.backend.units_for(length) - seq.units)
+                extra = (blocks_needed(seq.handle, length) if blocks_needed is not None
+                         else max(0, self.backend.units_for(length) - seq.units))
                 fits = self._make_room(need + extra)
                 admitted.append(fits)
                 need += extra if fits else 0

@@ -74,7 +74,7 @@ class ReplicatedBackend:
         self.max_context, self.dtype, self.device = local.max_context, local.dtype, local.device
         self.capacity, self.units_for = local.capacity, local.units_for  # rank 0's state mirrors every rank's
         if not hasattr(local, "share_prefix"):  # a backend that shares no blocks (SessionCaches checks)
-            self.share_prefix = None
+            self.share_prefix = self.blocks_needed = None
         self._handles: dict[int, object] = {}
         self._next_handle = 0
         self._lock = threading.Lock()
@@ -102,6 +102,9 @@ class ReplicatedBackend:
 
     def share_prefix(self, handle: int, token_ids: list[int], limit: int) -> int:
         return self._call("share_prefix", handle, token_ids, limit)
+
+    def blocks_needed(self, handle: int, length: int) -> int:
+        return self.local.blocks_needed(self._handles[handle], length)  # bookkeeping only: rank 0's suffices
 
     @property
     def num_free_blocks(self) -> int:

@@ -110,6 +110,14 @@ VALUE_SETS: dict[str, dict] = {
                                             "masterName": "sessions"}},
                   "auth": {"existingSecret": "redis-auth", "existingSecretPasswordKey": "password"}},
     },
+    # The KV tier: the bundled LRU Redis, sized; and your own.
+    "kv-store": {
+        "kvStore": {"enabled": True, "chunkTokens": 128, "compression": "zlib",
+                    "bundled": {"maxmemory": "6gb", "resources": {"limits": {"memory": "8Gi"}}}},
+        "target": {"tensorParallelSize": 2, "gpu": {"enabled": True}},
+    },
+    "kv-store-external": {"kvStore": {"enabled": True, "url": "rediss://kv.cache.svc:6380/1"},
+                          "draft": {"enabled": False}},
     **{f"example:{p.stem}": yaml.safe_load(p.read_text()) for p in EXAMPLES},
 }
 

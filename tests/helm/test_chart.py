@@ -70,12 +70,12 @@ def test_every_container_has_probes(releases, name):
     release = releases[name]
     for workload in release.workloads():
         component = component_of(workload)
-        if component not in (*SPECDEC, "redis"):
+        if component not in (*SPECDEC, "redis", "kvstore"):
             continue  # the locust pods: see test_chart_security.py
         for container in workload["spec"]["template"]["spec"]["containers"]:
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 assert probe in container, f"{workload['metadata']['name']}/{container['name']}: no {probe}"
-            if component == "redis":
+            if component in ("redis", "kvstore"):
                 continue
             if container["name"] == "openai":  # HTTP: see test_openai_gateway_beside_each_coordinator
                 continue
@@ -108,6 +108,8 @@ def test_network_policies_guard_the_right_pods(releases, name):
     redis_mode = release.values["redis"]["mode"]
     expected |= {"redis"} if redis_mode != "external" else set()
     expected |= {"loadtest-master", "loadtest-worker"} if release.values["loadtest"]["enabled"] else set()
+    kv = release.values["kvStore"]
+    expected |= {"kvstore"} if kv["enabled"] and not kv["url"] else set()
     assert guarded == expected
     pods = release.pods()
     for policy in policies:
@@ -119,6 +121,8 @@ def test_network_policies_guard_the_right_pods(releases, name):
         if component == "redis":  # replication and the Sentinels' gossip run between the Redis pods
             ports = [release.pod_ports("redis")[n] for n in ("redis", "sentinel")[:1 + (redis_mode == "sentinel")]]
             peers = {"coordinator", "redis"} if redis_mode == "sentinel" else {"coordinator"}
+        elif component == "kvstore":  # the workers' KV tier
+            ports, peers = [release.pod_ports("kvstore")["redis"]], {"draft", "target"} & {c for c, _, _ in pods}
         else:
             ports, peers = [port_named(release.container(component), "grpc")], {"coordinator"}
         if component == "coordinator" and release.values["openai"]["enabled"]:
@@ -367,3 +371,33 @@ def test_openai_gateway_can_be_turned_off(chart):
     release = Release(chart.merge_values(values), chart.render(values, name=RELEASE, namespace=NAMESPACE))
     assert [c["name"] for c in release.pod_spec("coordinator")["containers"]] == ["coordinator"]
     assert not [s for s in release.of_kind("Service") if s["metadata"]["name"].endswith("-openai")]
+
+
+@pytest.mark.kvstore
+@pytest.mark.parametrize("name", SET_NAMES)
+def test_workers_use_the_kv_store_when_enabled(releases, name):
+    """kvStore: both workers get the tier's flags, pointing at the bundled Redis' Service (an LRU
+    cache of its own, never the session store) or at kvStore.url."""
+    release = releases[name]
+    kv = release.values["kvStore"]
+    workers = ["target"] + (["draft"] if release.values["draft"]["enabled"] else [])
+    for component in workers:
+        flags = flags_of(release.container(component)["args"])
+        if not kv["enabled"]:
+            assert not any(f.startswith("kv-") for f in flags), component
+            continue
+        assert flags["kv-chunk-tokens"] == str(kv["chunkTokens"])
+        assert flags["kv-compression"] == kv["compression"]
+        url = flags["kv-store-url"]
+        if kv["url"]:
+            assert url == kv["url"]
+            continue
+        host, port = url.removeprefix("redis://").removesuffix("/0").split(":")
+        service = service_for(release, host, int(port))
+        assert component_of(service) == "kvstore"
+        redis_args = release.container("kvstore")["args"]
+        options = dict(zip(redis_args[::2], redis_args[1::2]))
+        assert options["--maxmemory-policy"] == "allkeys-lru" and options["--maxmemory"] == kv["bundled"]["maxmemory"]
+        assert options["--appendonly"] == "no"
+    if not kv["enabled"] or kv["url"]:
+        assert not [w for w in release.workloads() if component_of(w) == "kvstore"]

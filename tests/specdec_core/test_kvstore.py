@@ -89,13 +89,23 @@ def test_fresh_worker_restores_bit_for_bit(model, client):
 
 
 def test_shared_prefix_is_restored_by_a_new_session(model, client):
+    """Another worker (say, a replica) restores the prefix a session stored; inside one worker a
+    new session adopts the blocks that hold it (one copy in memory, nothing fetched)."""
     system = tokens(64, seed=3)
     a, tier_a = worker(model, client)
     run(a, "first", system + tokens(20, seed=4), [])
     tier_a.flush()
     hits = counted("hit")
-    had, _ = run(a, "second", system + tokens(30, seed=5), [])  # same worker, new session
-    assert had == 64 and counted("hit") - hits == 4
+    b, _ = worker(model, client)
+    had, _ = run(b, "second", system + tokens(30, seed=5), [])
+    assert had == 64 and counted("hit") - hits == 4  # the 5th chunk differs: a miss
+
+    free = a.backend.num_free_blocks
+    hits = counted("hit")
+    had, _ = run(a, "third", system + tokens(30, seed=6), [])
+    assert had == 64 and counted("hit") == hits  # shared in the pool, not restored
+    assert a.backend.shared_blocks == 64 // 8  # the pool's blocks of 8 tokens, held by both sessions
+    assert free - a.backend.num_free_blocks == -(-(94 - 64) // 8)  # only the new tail took blocks
 
 
 def test_corrupted_truncated_and_foreign_values_are_ignored(model, client):
@@ -120,7 +130,8 @@ def test_corrupted_truncated_and_foreign_values_are_ignored(model, client):
                                                                       c.tier.model_digest.hex().encode()),
                client.get(keys[0]))  # a value copied under another model's key: its header says so
     invalid = counted("invalid")
-    assert run(c, "s2", prompt, [])[0] == 0 and counted("invalid") - invalid == 1
+    d, _ = worker(model, client, fingerprint="other weights")
+    assert run(d, "s", prompt, [])[0] == 0 and counted("invalid") - invalid == 1
 
 
 def test_compressed_chunks_restore_the_same(model, client):
@@ -139,6 +150,8 @@ def test_redis_down_costs_time_not_requests(model):
     had, logits = run(caches, "s", prompt, [])  # the read fails: prefilled as without a tier
     assert had == 0 and logits.shape == (50, VOCAB)
     assert tier.flush()
+    caches, _ = worker(model, dead)
+    caches.tier._went_down(ConnectionError("test"))
     had, _ = run(caches, "t", prompt, [])  # skipped while it is down: no wait
     assert had == 0
 

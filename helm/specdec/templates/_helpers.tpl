@@ -530,3 +530,15 @@ lifecycle:
       command: [sleep, {{ . | quote }}]
 {{- end }}
 {{- end }}
+
+{{/* The workers' KV-tier flags (none when kvStore is off). */}}
+{{- define "specdec.kvStoreArgs" -}}
+{{- $k := .Values.kvStore }}
+{{- if $k.enabled }}
+{{- $url := $k.url | default (printf "redis://%s:%v/0" (include "specdec.componentName" (dict "ctx" . "component" "kvstore")) $k.bundled.port) }}
+- --kv-store-url={{ $url }}
+- --kv-chunk-tokens={{ $k.chunkTokens }}
+- --kv-compression={{ $k.compression }}
+- --kv-max-pending-mb={{ $k.maxPendingMb }}
+{{- end }}
+{{- end }}
