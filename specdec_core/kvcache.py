@@ -97,9 +97,11 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 class SessionCaches:
-    def __init__(self, backend: CacheBackend, role: str = "worker", remember_ended: int = 4096, tier=None):
+    def __init__(self, backend: CacheBackend, role: str = "worker", remember_ended: int = 4096, tier=None,
+                 share_prefixes: bool = True):
         self.backend = backend
         self.tier = tier  # a kvstore.KVTier (or its tensor-parallel wrapper), or None
+        self.share_prefixes = share_prefixes  # adopt identical prefix blocks other sessions hold
         self.role = role
         self.capacity = int(backend.capacity)
         self._sequences: dict[str, CachedSequence] = {}
@@ -134,16 +136,20 @@ class SessionCaches:
         try:
             keep = min(common_prefix_len(seq.token_ids, committed_ids), len(committed_ids) - 1)
             self.crop(seq, keep)
+            hooked = time.perf_counter()
             self._share(seq, committed_ids)
             if self.tier is not None:
                 self._restore(seq, committed_ids)
+            hooked = time.perf_counter() - hooked
             yield seq
         except BaseException:
             self._reset(seq)  # a half-done forward pass leaves the cache in an unknown state
             raise
         else:
             if self.tier is not None:
+                started = time.perf_counter()
                 self._save(seq, committed_ids)
+                metrics.KV_HOOK_SECONDS.labels(self.role).observe(hooked + time.perf_counter() - started)
         finally:
             with self._lock:
                 seq.is_in_use = False
@@ -202,7 +208,7 @@ class SessionCaches:
     def _share(self, seq: CachedSequence, committed_ids: list[int]) -> None:
         """Adopt the blocks of the committed prefix that other sessions already hold (a backend
         that shares identical prefix blocks: no compute, no copy)."""
-        share = getattr(self.backend, "share_prefix", None)
+        share = getattr(self.backend, "share_prefix", None) if self.share_prefixes else None
         limit = len(committed_ids) - 1
         if share is None or len(seq.token_ids) >= limit:
             return
@@ -234,7 +240,7 @@ class SessionCaches:
         """Hand the chunks that the committed tokens in the cache completed to the KV tier."""
         upto = min(len(seq.token_ids), len(committed_ids))
         saved = min(seq.saved, upto)
-        if upto // self.tier.chunk > saved // self.tier.chunk:
+        if upto // self.tier.chunk >= saved // self.tier.chunk + self.tier.save_every:
             seq.saved = self.tier.save(seq.handle, committed_ids, saved, upto)
         else:
             seq.saved = saved // self.tier.chunk * self.tier.chunk

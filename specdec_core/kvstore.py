@@ -122,6 +122,9 @@ class KVTier:
         self.role = role
         self.agree = agree
         self.layout = backend.kv_layout()
+        # chunks to gather before an export: a backend whose export copies the whole sequence
+        # (llama.cpp) exports less often, so that its cost per round stays small
+        self.save_every = max(1, int(getattr(backend, "kv_export_chunks", 1)))
         # a backend that shares identical prefix blocks between sessions wants to know their tokens
         self._import_takes_tokens = "token_ids" in inspect.signature(backend.import_kv).parameters
         identity = f"{model_fingerprint}|{self.layout}|tp={tp_size}/{tp_rank}|chunk={self.chunk}"

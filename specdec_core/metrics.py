@@ -50,3 +50,6 @@ KV_RESTORE_SECONDS = Histogram("specdec_kv_store_restore_seconds", "time to fetc
                                buckets=LATENCY_BUCKETS)
 KV_PENDING_BYTES = Gauge("specdec_kv_store_pending_bytes", "KV chunks waiting to be written", ["role"])
 KV_ERRORS = Counter("specdec_kv_store_errors_total", "KV-tier Redis calls that failed", ["role"])
+KV_HOOK_SECONDS = Histogram("specdec_kv_store_round_seconds", "time the KV tier and prefix sharing add to a "
+                            "lease on the engine thread (sharing, restore, handing chunks to the writer)", ["role"],
+                            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 2.5))

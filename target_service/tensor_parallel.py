@@ -134,7 +134,7 @@ class ReplicatedTier:
 
     def __init__(self, backend: ReplicatedBackend, local_tier):
         self.backend, self.local = backend, local_tier
-        self.chunk = local_tier.chunk
+        self.chunk, self.save_every = local_tier.chunk, local_tier.save_every
 
     def save(self, handle: int, token_ids: list[int], saved: int, upto: int) -> int:
         return self.backend._call("kv_save", handle, token_ids, saved, upto, on=self.local)

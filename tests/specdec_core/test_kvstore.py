@@ -126,6 +126,7 @@ def test_corrupted_truncated_and_foreign_values_are_ignored(model, client):
 
     c, _ = worker(model, client, fingerprint="other weights")
     assert run(c, "s", prompt, [])[0] == 0  # another model's chunks are other keys
+    assert c.tier.flush()  # (its own chunks are written now, not after the value set below)
     client.set(tier_a.key(prefix_hashes(prompt, CHUNK, 1)[0]).replace(tier_a.model_digest.hex().encode(),
                                                                       c.tier.model_digest.hex().encode()),
                client.get(keys[0]))  # a value copied under another model's key: its header says so
