@@ -240,7 +240,8 @@ class SessionCaches:
         """Hand the chunks that the committed tokens in the cache completed to the KV tier."""
         upto = min(len(seq.token_ids), len(committed_ids))
         saved = min(seq.saved, upto)
-        if upto // self.tier.chunk >= saved // self.tier.chunk + self.tier.save_every:
+        pending = upto // self.tier.chunk - saved // self.tier.chunk
+        if pending >= self.tier.save_every or (pending and not saved):  # a new session's prompt: at once
             seq.saved = self.tier.save(seq.handle, committed_ids, saved, upto)
         else:
             seq.saved = saved // self.tier.chunk * self.tier.chunk

@@ -128,6 +128,28 @@ class ReplicatedBackend:
             self._broadcast((op, handle, *args))
             return getattr(on or self.local, op.removeprefix("kv_"))(self._handles[handle], *args)
 
+    def _check_handles(self, handles: list[int]) -> None:
+        """Refuse a call on rank 0 before any rank sees it: followers only replay calls that
+        rank 0 accepted."""
+        unknown = [h for h in handles if h not in self._handles]
+        if unknown:
+            raise ValueError(f"cache handle {unknown[0]} is not allocated")
+
+    def _broadcast(self, message: tuple) -> None:
+        try:
+            dist.broadcast_object_list([message], src=0, group=self.control)
+        except Exception as exc:  # noqa: BLE001 - any collective failure is fatal for the service
+            self.on_failure(exc)
+            raise
+
+    def _ping(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            with self._lock:
+                try:
+                    self._broadcast(("ping",))
+                except Exception:  # noqa: BLE001 - on_failure already ran
+                    return
+
 
 class ReplicatedTier:
     """Rank 0's KV tier: each save and restore runs on every rank, on that rank's own tier."""
@@ -150,28 +172,6 @@ def agree_min(control: dist.ProcessGroup) -> Callable[[int], int]:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control)
         return int(t)
     return agree
-
-    def _check_handles(self, handles: list[int]) -> None:
-        """Refuse a call on rank 0 before any rank sees it: followers only replay calls that
-        rank 0 accepted."""
-        unknown = [h for h in handles if h not in self._handles]
-        if unknown:
-            raise ValueError(f"cache handle {unknown[0]} is not allocated")
-
-    def _broadcast(self, message: tuple) -> None:
-        try:
-            dist.broadcast_object_list([message], src=0, group=self.control)
-        except Exception as exc:  # noqa: BLE001 - any collective failure is fatal for the service
-            self.on_failure(exc)
-            raise
-
-    def _ping(self, every_s: float) -> None:
-        while not self._stop.wait(every_s):
-            with self._lock:
-                try:
-                    self._broadcast(("ping",))
-                except Exception:  # noqa: BLE001 - on_failure already ran
-                    return
 
 
 def follow(local, control: dist.ProcessGroup, tier=None) -> None:
