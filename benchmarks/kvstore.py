@@ -101,6 +101,27 @@ class Bench:
             time.sleep(0.2)
         raise TimeoutError("the workers' KV writes did not finish")
 
+    def wait_stored(self, stack: Stack, before: dict[str, float], chunks: int, timeout_s: float = 300) -> None:
+        """Until each worker has stored `chunks` more chunks than `before` (the draft prefills a long
+        prompt behind the target's plain rounds, so it may finish well after the request)."""
+        deadline = time.monotonic() + timeout_s
+        while any(self.stored_chunks(stack, r) - before[r] < chunks for r in before):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the workers did not store {chunks} chunks")
+            time.sleep(0.5)
+        self.wait_written(stack)
+
+    def stored_chunks(self, stack: Stack, role: str) -> float:
+        return self.metric(stack, role, "specdec_kv_store_chunks_total", outcome="stored")
+
+    def draft_ready_s(self, stack: Stack, timeout_s: float = 300) -> float:
+        """The draft's first batch since it started, lease (and restore) included: how long the
+        session waited for its draft."""
+        deadline = time.monotonic() + timeout_s
+        while self.metric(stack, "draft", "specdec_forward_seconds_count") < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return self.metric(stack, "draft", "specdec_forward_seconds_sum")
+
     @staticmethod
     def metric(stack: Stack, role: str, name: str, **labels) -> float:
         labels = {**labels, "role": role}
@@ -119,33 +140,42 @@ class Bench:
         times: dict[str, list[float]] = defaultdict(list)
         restore_s = {role: [] for role in ("draft", "target")}
         restored = {role: [] for role in ("draft", "target")}
+        draft_ready: dict[str, list[float]] = defaultdict(list)
         for rep in range(self.a.reps):
             for mode in ("restore", "prefill") if rep % 2 == 0 else ("prefill", "restore"):
                 prompt = self.ids(self.a.prompt_tokens, offset=10 * rep + (mode == "prefill"))
+                before = {r: self.stored_chunks(stack, r) for r in ("draft", "target")}
                 _, session = self.ttft(stack, prompt)
-                self.wait_written(stack)
+                self.wait_stored(stack, before, self.a.prompt_tokens // self.a.chunk)
                 if mode == "prefill":
                     kv.flushall()
                 self.restart_all(stack)
                 seconds, _ = self.ttft(stack, self.ids(4, offset=999), session_id=session)
                 times[mode].append(seconds)
+                draft_ready[mode].append(self.draft_ready_s(stack))
                 if mode == "restore":  # the restarted workers' counters hold this restore alone
                     for r in restore_s:
                         restore_s[r].append(self.metric(stack, r, "specdec_kv_store_restore_seconds_sum"))
                         restored[r].append(self.metric(stack, r, "specdec_kv_store_restored_tokens_total"))
-                log(f"  {mode}: TTFT {seconds:.2f} s after restarting the workers ({self.a.prompt_tokens}-token session)")
+                log(f"  {mode}: TTFT {seconds:.2f} s, draft ready after {draft_ready[mode][-1]:.2f} s, on restarted "
+                    f"workers ({self.a.prompt_tokens}-token session)")
         return {
             "prompt_tokens": self.a.prompt_tokens,
             "ttft_restore_s": times["restore"], "ttft_reprefill_s": times["prefill"],
             "restore_s_by_role": restore_s, "restored_tokens_by_role": restored,
+            "draft_ready_restore_s": draft_ready["restore"], "draft_ready_reprefill_s": draft_ready["prefill"],
             "restore_ttft_speedup": round(statistics.median(times["prefill"]) / statistics.median(times["restore"]), 2),
+            "draft_ready_speedup": round(statistics.median(draft_ready["prefill"])
+                                         / statistics.median(draft_ready["restore"]), 2),
         }
 
     def shared_prefix(self, stack: Stack, label: str) -> dict:
         system = self.ids(self.a.shared_tokens, offset=500)
+        before = {r: self.stored_chunks(stack, r) for r in ("draft", "target")} if stack.kv_store_url else {}
         self.ttft(stack, system + self.ids(20, offset=600))  # the first session with it
         if stack.kv_store_url:
-            self.wait_written(stack)
+            self.wait_stored(stack, before, self.a.shared_tokens // self.a.chunk)
+        self.draft_ready_s(stack)  # its draft prefill done: the workers idle when the sessions arrive
         results: list[float] = [0.0] * self.a.sessions
         def one(i: int) -> None:
             results[i] = self.ttft(stack, system + self.ids(30, offset=700 + i))[0]
