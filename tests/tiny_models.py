@@ -20,6 +20,14 @@ def tiny_config(vocab_size: int) -> LlamaConfig:
     )
 
 
+def tiny_llama(vocab_size: int = 256, seed: int = 0) -> LlamaForCausalLM:
+    """A tiny random Llama in memory (no tokenizer), for tests that drive a backend directly."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(config).eval()
+
+
 def make_tiny_pair(root: Path, seed: int = 0, noise: float = 0.02) -> tuple[str, str]:
     """Write target/ and draft/ folders under root (with the SmolLM2 tokenizer); return their paths."""
     tokenizer = load_tokenizer("smollm2")

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import redis
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec_core import metrics
 from specdec_core.batched_backend import BatchedBackend
 from specdec_core.kvcache import SessionCaches
 from specdec_core.kvstore import KVStoreOptions, KVTier, prefix_hashes
-from tests.redis_servers import RedisServer, free_port
+from redis_servers import RedisServer, free_port
+from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.kvstore
 
@@ -24,10 +24,7 @@ CHUNK = 16
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(VOCAB)
 
 
 @pytest.fixture(scope="module")

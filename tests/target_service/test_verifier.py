@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec_core.batched_backend import BatchedBackend
 from specdec_core.errors import ResourceExhausted
@@ -14,6 +13,7 @@ from specdec_core.kvcache import SessionCaches
 from specdec_core.logs import short_id
 from specdec_core.sampling import SamplingConfig
 from target_service.verifier import Verifier, VerifyTask
+from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.capacity
 VOCAB = 256
@@ -21,10 +21,7 @@ VOCAB = 256
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(VOCAB)
 
 
 def ids(n: int, seed: int) -> list[int]:
