@@ -141,6 +141,7 @@ class SessionCaches:
             if self.tier is not None:
                 self._restore(seq, committed_ids)
             hooked = time.perf_counter() - hooked
+            prefill = len(committed_ids) - len(seq.token_ids)
             yield seq
         except BaseException:
             self._reset(seq)  # a half-done forward pass leaves the cache in an unknown state
@@ -148,7 +149,7 @@ class SessionCaches:
         else:
             if self.tier is not None:
                 started = time.perf_counter()
-                self._save(seq, committed_ids)
+                self._save(seq, committed_ids, prefill)
                 metrics.KV_HOOK_SECONDS.labels(self.role).observe(hooked + time.perf_counter() - started)
         finally:
             with self._lock:
@@ -236,12 +237,13 @@ class SessionCaches:
                 seq.saved = length // self.tier.chunk * self.tier.chunk
                 self._account(seq)
 
-    def _save(self, seq: CachedSequence, committed_ids: list[int]) -> None:
-        """Hand the chunks that the committed tokens in the cache completed to the KV tier."""
+    def _save(self, seq: CachedSequence, committed_ids: list[int], prefill: int) -> None:
+        """Hand the chunks that the committed tokens in the cache completed to the KV tier: at once
+        after a prefill of a chunk or more (a prompt), else every `save_every` chunks."""
         upto = min(len(seq.token_ids), len(committed_ids))
         saved = min(seq.saved, upto)
         pending = upto // self.tier.chunk - saved // self.tier.chunk
-        if pending >= self.tier.save_every or (pending and not saved):  # a new session's prompt: at once
+        if pending >= self.tier.save_every or (pending and prefill >= self.tier.chunk):
             seq.saved = self.tier.save(seq.handle, committed_ids, saved, upto)
         else:
             seq.saved = saved // self.tier.chunk * self.tier.chunk

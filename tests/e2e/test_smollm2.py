@@ -3,10 +3,13 @@ shipped on PyPI) and the same GGUF run by llama.cpp as draft, through all three 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from stacks import ReferenceDecoder, start_stack
+from stacks import ReferenceDecoder, scrape, start_stack
 from specdec import Client
+from specdec.launcher import free_port
 from specdec_core.models import load_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -20,8 +23,12 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smollm2_stack(tmp_path_factory):
-    stack = start_stack("smollm2", "smollm2", tmp_path_factory.mktemp("logs"), openai=True,
-                        args={"draft": ["--backend", "llama.cpp"]})
+    ports = {role: free_port() for role in ("draft", "target")}
+    kv = ["--kv-chunk-tokens", "16"]
+    stack = start_stack("smollm2", "smollm2", tmp_path_factory.mktemp("logs"), openai=True, kv_store_mb=256,
+                        args={"draft": ["--backend", "llama.cpp", "--metrics-port", str(ports["draft"]), *kv],
+                              "target": ["--metrics-port", str(ports["target"]), *kv]})
+    stack.metrics_ports = ports
     yield stack
     stack.down()
 
@@ -90,3 +97,39 @@ def test_openai_api_logprobs_and_greedy_identity_on_the_real_model(smollm2_stack
         worst_top = max(worst_top, *(abs(g - v) for g, v in zip(got, values)))
     print(f"logprobs vs transformers: chosen tokens {worst_chosen:.2e}, top 5 {worst_top:.2e} (absolute)")
     assert worst_chosen < 5e-5, worst_chosen
+
+
+@pytest.mark.lossless
+@pytest.mark.kvstore
+def test_kv_restored_by_restarted_workers_on_the_real_model(smollm2_stack, reference):
+    """The KV tier with the real pair: the llama.cpp draft and the float32 target both restore a
+    session's KV after a restart of both, and the continuation is what transformers gives."""
+    tokenizer = load_tokenizer("smollm2")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": " ".join(PROMPTS)}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)["input_ids"]
+    chunks = len(ids) // 16
+
+    def kv(role: str, name: str, outcome: str = "") -> float:
+        labels = f'outcome="{outcome}",role="{role}"' if outcome else f'role="{role}"'
+        return scrape(smollm2_stack.metrics_ports[role]).get(f"specdec_kv_store_{name}{{{labels}}}", 0.0)
+
+    def wait_for(check, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not check() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert check()
+
+    before = {role: kv(role, "chunks_total", "stored") for role in ("draft", "target")}
+    with Client(smollm2_stack.address("coordinator"), timeout_s=300) as client:
+        first = client.generate(ids, max_new_tokens=16, k=5, stop_token_ids=[])
+    # written behind the rounds (chunks of the chat template's start may be there from earlier tests:
+    # what a worker knows is stored it does not write again)
+    wait_for(lambda: all(kv(r, "chunks_total", "stored") > before[r] and not kv(r, "pending_bytes") for r in before))
+    for name in ("draft", "target", "coordinator"):
+        smollm2_stack.restart(name)
+    more = tokenizer("Thanks. And one more tip?")["input_ids"]
+    with Client(smollm2_stack.address("coordinator"), timeout_s=300) as client:
+        second = client.generate(more, max_new_tokens=24, k=5, stop_token_ids=[], session_id=first.session_id)
+    assert second.token_ids == reference(ids + first.token_ids + more, 24)
+    assert kv("target", "restored_tokens_total") >= chunks * 16
+    wait_for(lambda: kv("draft", "restored_tokens_total") >= chunks * 16)  # its warm-up proposal runs behind
