@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(cfg.server.log_level, cfg.server.log_format)
     backend = load_backend(cfg)
     caches = SessionCaches(backend, role="draft", tier=open_tier(cfg.kv_store, backend, model_path(cfg), "draft"),
-                           share_prefixes=cfg.prefix_sharing)
+                           share_prefixes=cfg.kv_store.prefix_sharing)
     proposer = ModelProposer(caches, backend.max_context, cfg.sparse_top, max_queue=cfg.max_queue)
     service = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
     server = create_server(Lanes(frozenset({f"/{service}/Propose"}), work=cfg.max_queue))

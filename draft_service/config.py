@@ -26,7 +26,6 @@ class DraftConfig:
     max_queue: int = 64
     threads: int = 0
     kv_store: KVStoreOptions = KVStoreOptions()
-    prefix_sharing: bool = True
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -75,10 +74,7 @@ class DraftConfig:
                        help="Propose calls admitted at once (queued or running); more get RESOURCE_EXHAUSTED at once")
         p.add_argument("--threads", type=int, default=cls.threads, help="compute threads, llama.cpp or torch (0: all cores)")
         KVStoreOptions.add_flags(p, "SPECDEC_DRAFT")
-        p.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=cls.prefix_sharing,
-                       help="paged KV cache: sessions whose tokens begin alike hold the common blocks once, and a "
-                            "new session adopts them instead of computing them")
         ServerOptions.add_flags(p, "SPECDEC_DRAFT", port=50051)
         a = p.parse_args(argv)
         return cls(ServerOptions.from_args(a), a.model, a.backend, a.dtype, a.device, a.max_cache_tokens,
-                   a.max_sessions, a.context_tokens, a.sparse_top, a.max_queue, a.threads, KVStoreOptions.from_args(a), a.prefix_sharing)
+                   a.max_sessions, a.context_tokens, a.sparse_top, a.max_queue, a.threads, KVStoreOptions.from_args(a))

@@ -243,10 +243,10 @@ class LlamaCppBackend:
                 blobs.append(np.concatenate(rows, axis=1).tobytes() if rows else b"")
             return blobs
 
-    def import_kv(self, handle: int, start: int, blobs: list[bytes]) -> int:
+    def import_kv(self, handle: int, start: int, blobs: list[bytes], token_ids: list[int] | None = None) -> int:
         """Append the cells of consecutive blobs (as export_kv made them) at positions start,
         start + 1, ... to sequence `handle`, which holds exactly `start` tokens; returns the new
-        length. The sequence's state is read (when start > 0), the new cells are spliced in behind
+        length. (`token_ids`, the tokens they hold, is not needed: sequences share no cells.) The sequence's state is read (when start > 0), the new cells are spliced in behind
         its cells (put in position order) and the whole is written back with one
         llama_state_seq_set_data call.
 

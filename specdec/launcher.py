@@ -165,17 +165,11 @@ class Stack:
     def start_redis(self) -> str:
         if self.redis_url:
             return self.redis_url
-        port = free_port()
         if self.redis_data:
             Path(self.redis_data).mkdir(parents=True, exist_ok=True)
         persistence = (["--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(Path(self.redis_data).resolve())]
                        if self.redis_data else ["--appendonly", "no", "--dir", tempfile.gettempdir()])
-        self.processes["redis"] = spawn(
-            [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", *persistence],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        self.redis_url = f"redis://127.0.0.1:{port}/0"
-        _wait_port(port, 10)
+        self.redis_url = self._spawn_redis("redis", persistence)
         return self.redis_url
 
     def start_kv_store(self) -> str:
@@ -183,16 +177,18 @@ class Stack:
         chunks at kv_store_mb (never the session store: sessions must not be evicted)."""
         if self.kv_store_url or not self.kv_store_mb:
             return self.kv_store_url
-        port = free_port()
-        self.processes["kvstore"] = spawn(
-            [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", tempfile.gettempdir(), "--maxmemory", f"{self.kv_store_mb}mb",
-             "--maxmemory-policy", "allkeys-lru"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        self.kv_store_url = f"redis://127.0.0.1:{port}/0"
-        _wait_port(port, 10)
+        self.kv_store_url = self._spawn_redis("kvstore", [
+            "--appendonly", "no", "--dir", tempfile.gettempdir(), "--maxmemory", f"{self.kv_store_mb}mb",
+            "--maxmemory-policy", "allkeys-lru"])
         return self.kv_store_url
+
+    def _spawn_redis(self, name: str, args: list[str]) -> str:
+        """A private redis-server on a free loopback port, without snapshots; its URL once it listens."""
+        port = free_port()
+        self.processes[name] = spawn([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                      *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_port(port, 10)
+        return f"redis://127.0.0.1:{port}/0"
 
     def command(self, name: str) -> list[str]:
         """The command line of a service; `role#n` names another replica of `role`."""

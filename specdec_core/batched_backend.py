@@ -25,8 +25,8 @@ Prefix sharing: sessions whose tokens begin alike (a common system prompt, a doc
 requests ask about) hold the identical full blocks of that prefix once, and a new session adopts
 them (`share_prefix`) instead of computing them: no forward pass, no copy. A handle knows the token
 ids its KV stands for (forward_batch appends them; import_kv when given `token_ids`) and the prefix
-hash of each full block (a chain: h_b = blake2b(h_{b-1} + block b's tokens as int32), so a hash
-names the block's tokens and everything before them). The backend indexes full blocks by prefix
+hash of each full block (`kvcache.prefix_hash`, a chain: a hash names the block's tokens and
+everything before them). The backend indexes full blocks by prefix
 hash (the first block with a hash keeps the entry) and counts each block's holders: crop and free
 drop a reference, and a block goes back to the free list (and out of the index) at zero.
 Copy-on-write: a block held more than once is never written. Writes only go at positions >= a
@@ -53,8 +53,6 @@ items); a single item always runs whole.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 import threading
 from typing import Any
 
@@ -65,7 +63,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from specdec_core.errors import ResourceExhausted
-from specdec_core.kvcache import logits_per_item
+from specdec_core.kvcache import logits_per_item, prefix_hash
 
 _ATTENTION = "specdec_paged"
 _SUPPORTED_ATTENTION = ("sdpa", "eager", _ATTENTION)
@@ -87,11 +85,6 @@ class PagedSequence:
 
     def __repr__(self) -> str:
         return f"PagedSequence(length={self.length}, blocks={len(self.blocks)})"
-
-
-def block_hash(prev: bytes, tokens: list[int]) -> bytes:
-    """The prefix hash of a block: the previous block's (b"" for the first) and this block's tokens."""
-    return hashlib.blake2b(prev + struct.pack(f"<{len(tokens)}i", *tokens), digest_size=16).digest()
 
 
 class _Item:
@@ -308,7 +301,7 @@ class BatchedBackend:
             prev = handle.hashes[-1] if handle.hashes else b""
             found: list[tuple[bytes, int]] = []
             for b in range(first, last):
-                prev = block_hash(prev, token_ids[b * bs:(b + 1) * bs])
+                prev = prefix_hash(prev, token_ids[b * bs:(b + 1) * bs])
                 block = self._index.get(prev)
                 if block is None:
                     break
@@ -414,6 +407,7 @@ class BatchedBackend:
         return handle.length
 
     def _slots(self, handle: PagedSequence, start: int, end: int) -> torch.Tensor:
+        """Pool slots of the handle's positions start..end-1 (position p: block p // B, offset p % B)."""
         pos = torch.arange(start, end)
         bs = self.block_size
         return (torch.tensor(handle.blocks, dtype=torch.long)[pos // bs] * bs + pos % bs).to(self.device)
@@ -495,7 +489,7 @@ class BatchedBackend:
         bs = self.block_size
         prev = handle.hashes[-1] if handle.hashes else b""
         for b in range(len(handle.hashes), handle.length // bs):
-            prev = block_hash(prev, handle.tokens[b * bs:(b + 1) * bs])
+            prev = prefix_hash(prev, handle.tokens[b * bs:(b + 1) * bs])
             handle.hashes.append(prev)
             block = handle.blocks[b]
             if prev not in self._index and block not in self._indexed and self._refs[block] == 1:
@@ -560,7 +554,6 @@ class BatchedBackend:
 
     @torch.inference_mode()
     def _run(self, items, keep: list[int]) -> list[torch.Tensor]:
-        bs = self.block_size
         dev = self.device
         input_ids: list[int] = []
         positions, write, batch = [], [], []
@@ -569,15 +562,15 @@ class BatchedBackend:
             end = start + n
             input_ids.extend(token_ids)
             pos = torch.arange(end)
-            slots = torch.tensor(handle.blocks, dtype=torch.long)[pos // bs] * bs + pos % bs
+            slots = self._slots(handle, 0, end)  # of keys 0..end, on the device
             positions.append(pos[start:])
             write.append(slots[start:])
             mask = None
             if start and n > 1:  # query j (position start + j) sees keys 0..start + j
                 mask = (pos[None, :] <= pos[start:, None]).to(dev)
             q0 = len(input_ids) - n
-            batch.append(_Item(q0, q0 + n, slots.to(dev) if start else None, mask, is_causal=not start and n > 1))
-        view = _BatchView(self, torch.cat(write).to(dev), batch)
+            batch.append(_Item(q0, q0 + n, slots if start else None, mask, is_causal=not start and n > 1))
+        view = _BatchView(self, torch.cat(write), batch)
         out = self.model(
             input_ids=torch.tensor([input_ids], dtype=torch.long, device=dev),
             position_ids=torch.cat(positions).to(dev).unsqueeze(0),
@@ -593,8 +586,7 @@ class BatchedBackend:
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().to("cpu").contiguous()
-    return t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.uint8 else t.numpy().tobytes()
+    return t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def _kept_rows(items, keep: list[int]) -> torch.Tensor:

@@ -26,6 +26,8 @@ committed tokens completed to the tier.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -84,6 +86,13 @@ class CachedSequence:
     is_in_use: bool = False
     is_released: bool = False  # released while in use: freed when its lease ends
     saved: int = 0  # tokens whose KV chunks went to the KV tier (a multiple of its chunk size)
+
+
+def prefix_hash(prev: bytes, tokens: list[int]) -> bytes:
+    """A chain hash over a token sequence cut into pieces (the paged pool's blocks, the KV tier's
+    chunks): the previous piece's hash (b"" for the first) and this piece's tokens, so a hash names
+    the piece and everything before it."""
+    return hashlib.blake2b(prev + struct.pack(f"<{len(tokens)}i", *tokens), digest_size=16).digest()
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:

@@ -30,7 +30,6 @@ apart from the session store, which must never evict.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import logging
 import queue
 import struct
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec_core import metrics
+from specdec_core.kvcache import prefix_hash
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,8 @@ COMPRESSIONS = ("none", "zlib")
 
 @dataclass(frozen=True)
 class KVStoreOptions:
-    """How a worker uses the KV tier (flags `--kv-store-url` and friends)."""
+    """How a worker keeps session KV beyond its own cache: the KV tier (flags `--kv-store-url` and
+    friends), and prefix blocks shared between sessions in its paged pool (`--prefix-sharing`)."""
 
     url: str = ""  # empty: no tier
     chunk_tokens: int = 64
@@ -64,6 +65,7 @@ class KVStoreOptions:
     max_pending_mb: int = 256
     ttl_s: int = 0  # 0: no expiry (Redis evicts least recently used under maxmemory)
     prefix: str = "specdec:"
+    prefix_sharing: bool = True
 
     def __post_init__(self):
         if self.chunk_tokens < 1:
@@ -75,10 +77,14 @@ class KVStoreOptions:
 
     @classmethod
     def add_flags(cls, parser, env_prefix: str) -> None:
+        import argparse
         import os
 
         env = os.environ.get
-        g = parser.add_argument_group("KV tier (session KV in Redis)")
+        g = parser.add_argument_group("session KV: prefix sharing, and the KV tier in Redis")
+        g.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=cls.prefix_sharing,
+                       help="paged KV cache: sessions whose tokens begin alike hold the common blocks once, and a "
+                            "new session adopts them instead of computing them")
         g.add_argument("--kv-store-url", default=env(f"{env_prefix}_KV_STORE_URL", env("SPECDEC_KV_STORE_URL", "")),
                        help="Redis (or Valkey) URL of the KV tier, apart from the session store, with maxmemory and "
                             "allkeys-lru: a worker restores a session's KV from it instead of prefilling again, and "
@@ -93,15 +99,15 @@ class KVStoreOptions:
 
     @classmethod
     def from_args(cls, a) -> KVStoreOptions:
-        return cls(a.kv_store_url, a.kv_chunk_tokens, a.kv_compression, a.kv_max_pending_mb, a.kv_ttl)
+        return cls(a.kv_store_url, a.kv_chunk_tokens, a.kv_compression, a.kv_max_pending_mb, a.kv_ttl,
+                   prefix_sharing=a.prefix_sharing)
 
 
 def prefix_hashes(token_ids: list[int], chunk_tokens: int, num_chunks: int) -> list[bytes]:
     """h_0..h_{num_chunks-1}: chunk j's hash covers tokens 0 .. (j+1)*chunk_tokens."""
     hashes, h = [], b""
     for j in range(num_chunks):
-        chunk = token_ids[j * chunk_tokens:(j + 1) * chunk_tokens]
-        h = hashlib.blake2b(h + struct.pack(f"<{len(chunk)}i", *chunk), digest_size=16).digest()
+        h = prefix_hash(h, token_ids[j * chunk_tokens:(j + 1) * chunk_tokens])
         hashes.append(h)
     return hashes
 
@@ -109,7 +115,8 @@ def prefix_hashes(token_ids: list[int], chunk_tokens: int, num_chunks: int) -> l
 class KVTier:
     """One worker's (one rank's) view of the KV tier, over its local backend.
 
-    `backend` needs `kv_layout()`, `export_kv(handle, ranges)` and `import_kv(handle, start, blobs)`.
+    `backend` needs `kv_layout()`, `export_kv(handle, ranges)` and `import_kv(handle, start, blobs,
+    token_ids)` (the tokens the blobs hold: a backend that shares prefix blocks indexes them).
     `agree(n)`: under tensor parallelism, the number of chunks every rank can restore (the minimum
     over ranks; identity for one rank), so that all shards restore the same tokens."""
 
@@ -126,8 +133,6 @@ class KVTier:
         # chunks to gather before an export: a backend whose export copies the whole sequence
         # (llama.cpp) exports less often, so that its cost per round stays small
         self.save_every = max(1, int(getattr(backend, "kv_export_chunks", 1)))
-        # a backend that shares identical prefix blocks between sessions wants to know their tokens
-        self._import_takes_tokens = "token_ids" in inspect.signature(backend.import_kv).parameters
         identity = f"{model_fingerprint}|{self.layout}|tp={tp_size}/{tp_rank}|chunk={self.chunk}"
         self.model_digest = hashlib.blake2b(identity.encode(), digest_size=16).digest()
         self._key_prefix = f"{options.prefix}kv:{self.model_digest.hex()}:".encode()
@@ -139,7 +144,6 @@ class KVTier:
         self._pending_lock = threading.Lock()
         self._max_pending = options.max_pending_mb << 20
         self._down_until = 0.0
-        self._closed = threading.Event()
         self._writer = threading.Thread(target=self._write_loop, name=f"kv-writer-{role}", daemon=True)
         self._writer.start()
         metrics.KV_PENDING_BYTES.labels(role).set_function(lambda: self._pending_bytes)
@@ -202,8 +206,7 @@ class KVTier:
         if have > start:
             self.backend.crop(handle, start)
         try:
-            extra = {"token_ids": token_ids[start:start + count * self.chunk]} if self._import_takes_tokens else {}
-            new_len = self.backend.import_kv(handle, start, blobs[:count], **extra)
+            new_len = self.backend.import_kv(handle, start, blobs[:count], token_ids[start:start + count * self.chunk])
         except Exception:  # noqa: BLE001 - all or nothing: the handle holds `start`; prefill the rest
             log.exception("KV tier: import failed")
             return start
@@ -261,12 +264,8 @@ class KVTier:
         self._pending.put((prefix_hash, blob))
 
     def _write_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                item = self._pending.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            batch = [item]
+        while True:
+            batch = [self._pending.get()]
             while len(batch) < 16:
                 try:
                     batch.append(self._pending.get_nowait())
@@ -300,9 +299,6 @@ class KVTier:
         while self._pending_bytes and time.monotonic() < deadline:
             time.sleep(0.01)
         return not self._pending_bytes
-
-    def close(self) -> None:
-        self._closed.set()
 
     # ------------------------------------------------------------------------------------------
     # Bookkeeping

@@ -78,7 +78,7 @@ def _die(exc: BaseException) -> None:
 
 
 def run_server(cfg: TargetConfig, backend, tier=None) -> None:
-    caches = SessionCaches(backend, role="target", tier=tier, share_prefixes=cfg.prefix_sharing)
+    caches = SessionCaches(backend, role="target", tier=tier, share_prefixes=cfg.kv_store.prefix_sharing)
     verifier = Verifier(caches, backend.max_context, cfg.batch_window_ms / 1e3, cfg.max_batch, cfg.max_queue)
     service = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
     server = create_server(Lanes(frozenset({f"/{service}/Verify"}), work=cfg.max_queue))

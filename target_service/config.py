@@ -25,7 +25,6 @@ class TargetConfig:
     max_queue: int = 64
     threads: int = 0
     kv_store: KVStoreOptions = KVStoreOptions()
-    prefix_sharing: bool = True
 
     def __post_init__(self):
         if self.max_cache_tokens < 1:
@@ -73,11 +72,8 @@ class TargetConfig:
                        help="torch intra-op threads on CPU (0: torch's default, one per core); on a machine "
                             "shared with the draft worker, give each its own cores")
         KVStoreOptions.add_flags(p, "SPECDEC_TARGET")
-        p.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=cls.prefix_sharing,
-                       help="paged KV cache: sessions whose tokens begin alike hold the common blocks once, and a "
-                            "new session adopts them instead of computing them")
         ServerOptions.add_flags(p, "SPECDEC_TARGET", port=50052)
         a = p.parse_args(argv)
         return cls(ServerOptions.from_args(a), a.model, a.dtype, a.device, a.max_cache_tokens,
                    a.tensor_parallel_size, a.dist_timeout, a.kv_cache, a.batch_window_ms, a.max_batch, a.max_queue,
-                   a.threads, KVStoreOptions.from_args(a), a.prefix_sharing)
+                   a.threads, KVStoreOptions.from_args(a))
