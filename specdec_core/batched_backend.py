@@ -4,7 +4,8 @@ run through the model in one forward pass.
 
 How it works (the CPU path of transformers' continuous batching, with our own bookkeeping):
 - every layer has one preallocated pool of key slots and one of value slots,
-  `[num_blocks * block_size, kv_heads, head_dim]`; a session holds a list of blocks (its block
+  `[kv_heads, num_blocks * block_size, head_dim]` (head-major, so that a run of slots is a
+  view SDPA reads as it is); a session holds a list of blocks (its block
   table) and a length. Position `p` of a session lives in slot `blocks[p // B] * B + p % B`.
 - a batch is flattened into one sequence `[1, total_new_tokens]` with each token's own position
   id, so every linear layer reads its weights once for the whole batch. For every layer the model
@@ -28,7 +29,7 @@ ids its KV stands for (forward_batch appends them; import_kv when given `token_i
 hash of each full block (`kvcache.prefix_hash`, a chain: a hash names the block's tokens and
 everything before them). The backend indexes full blocks by prefix
 hash (the first block with a hash keeps the entry) and counts each block's holders: crop and free
-drop a reference, and a block goes back to the free list (and out of the index) at zero.
+drop a reference, and a block goes back to the free ones (and out of the index) at zero.
 Copy-on-write: a block held more than once is never written. Writes only go at positions >= a
 handle's length, so the one case is a handle cut back into the middle of a shared block and then
 extended: it first gets a fresh block with a copy of the slots it kept (one block more than its
@@ -56,6 +57,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
@@ -94,7 +96,7 @@ class _Item:
 
     __slots__ = ("q0", "q1", "read", "mask", "is_causal")
 
-    def __init__(self, q0: int, q1: int, read: torch.Tensor | None, mask: torch.Tensor | None, is_causal: bool):
+    def __init__(self, q0: int, q1: int, read: torch.Tensor | slice | None, mask: torch.Tensor | None, is_causal: bool):
         self.q0, self.q1, self.read, self.mask, self.is_causal = q0, q1, read, mask, is_causal
 
 
@@ -114,8 +116,8 @@ class _BatchView:
                cache_kwargs: Any = None, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
         # key_states / value_states: [1, kv_heads, T, head_dim]
         k_pool, v_pool = self.backend._pools(layer_idx, key_states)
-        k_pool.index_copy_(0, self.write_index, key_states[0].transpose(0, 1))
-        v_pool.index_copy_(0, self.write_index, value_states[0].transpose(0, 1))
+        k_pool.index_copy_(1, self.write_index, key_states[0])
+        v_pool.index_copy_(1, self.write_index, value_states[0])
         return key_states, value_states  # the new ones; `attend` reads the rest from the pool
 
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -127,9 +129,11 @@ class _BatchView:
             q = query[:, :, it.q0:it.q1]
             if it.read is None:
                 k, v = key[:, :, it.q0:it.q1], value[:, :, it.q0:it.q1]
-            else:  # this sequence's keys only: [S_i, kv_heads, d] -> [1, kv_heads, S_i, d]
-                k = k_pool.index_select(0, it.read).transpose(0, 1).unsqueeze(0)
-                v = v_pool.index_select(0, it.read).transpose(0, 1).unsqueeze(0)
+            elif isinstance(it.read, slice):  # its slots are one run: a view, nothing copied
+                k, v = k_pool[:, it.read].unsqueeze(0), v_pool[:, it.read].unsqueeze(0)
+            else:  # this sequence's keys only: [kv_heads, S_i, d] -> [1, kv_heads, S_i, d]
+                k = k_pool.index_select(1, it.read).unsqueeze(0)
+                v = v_pool.index_select(1, it.read).unsqueeze(0)
             outs.append(torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=it.mask, is_causal=it.is_causal, scale=scaling,
                 enable_gqa=q.shape[1] != k.shape[1]))
@@ -193,8 +197,9 @@ class BatchedBackend:
         self.num_blocks = -(-int(max_tokens) // self.block_size)
         self.max_tokens = self.num_blocks * self.block_size
         self.max_attention_elements = int(max_attention_elements)
-        self._free_blocks = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low ids first
-        self._refs = [0] * self.num_blocks  # holders per block (0: in the free list)
+        self._is_free = np.ones(self.num_blocks, dtype=bool)
+        self._num_free = self.num_blocks
+        self._refs = [0] * self.num_blocks  # holders per block (0: free)
         self._index: dict[bytes, int] = {}  # prefix hash -> a full block holding exactly that
         self._indexed: dict[int, bytes] = {}  # the reverse of _index
         self._k_pools: dict[int, torch.Tensor] = {}
@@ -279,7 +284,11 @@ class BatchedBackend:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_blocks)
+        return self._num_free
+
+    def free_block_ids(self) -> list[int]:
+        with self._lock:
+            return np.flatnonzero(self._is_free).tolist()
 
     # ------------------------------------------------------------------------------------------
     # Prefix sharing
@@ -342,7 +351,7 @@ class BatchedBackend:
         self._ensure_pools()
         k = self._k_pools[0]
         return (f"paged-kv-v1 dtype={self.dtype} layers={len(self._k_pools)} "
-                f"kv_heads={k.shape[1]} head_dim={k.shape[2]}")
+                f"kv_heads={k.shape[0]} head_dim={k.shape[2]}")
 
     @torch.inference_mode()
     def export_kv(self, handle: PagedSequence, ranges: list[tuple[int, int]]) -> list[bytes]:
@@ -356,8 +365,8 @@ class BatchedBackend:
             slots = self._slots(handle, start, end)
             parts = []
             for layer in range(len(self._k_pools)):
-                parts.append(self._k_pools[layer].index_select(0, slots))
-                parts.append(self._v_pools[layer].index_select(0, slots))
+                parts.append(self._k_pools[layer].index_select(1, slots).transpose(0, 1))
+                parts.append(self._v_pools[layer].index_select(1, slots).transpose(0, 1))
             blobs.append(_tensor_bytes(torch.stack(parts)))
         return blobs
 
@@ -374,7 +383,7 @@ class BatchedBackend:
             raise ValueError(f"handle holds {handle.length} tokens, the import says start={start}")
         self._ensure_pools()
         k = self._k_pools[0]
-        layers, per_token = len(self._k_pools), k.shape[1] * k.shape[2]
+        layers, per_token = len(self._k_pools), k.shape[0] * k.shape[2]
         token_bytes = 2 * layers * per_token * k.element_size()
         if any(len(b) == 0 or len(b) % token_bytes for b in blobs):
             raise ValueError(f"a KV blob is not a whole number of tokens of {token_bytes} bytes")
@@ -387,12 +396,12 @@ class BatchedBackend:
             pos = start
             for blob in blobs:
                 n = len(blob) // token_bytes
-                data = torch.frombuffer(bytearray(blob), dtype=k.dtype).view(2 * layers, n, k.shape[1], k.shape[2])
+                data = torch.frombuffer(bytearray(blob), dtype=k.dtype).view(2 * layers, n, k.shape[0], k.shape[2])
                 slots = self._slots(handle, pos, pos + n)
-                data = data.to(self.device)
+                data = data.to(self.device).transpose(1, 2)  # [2 * layers, kv_heads, n, head_dim]
                 for layer in range(layers):
-                    self._k_pools[layer].index_copy_(0, slots, data[2 * layer])
-                    self._v_pools[layer].index_copy_(0, slots, data[2 * layer + 1])
+                    self._k_pools[layer].index_copy_(1, slots, data[2 * layer])
+                    self._v_pools[layer].index_copy_(1, slots, data[2 * layer + 1])
                 pos += n
             with self._lock:
                 if token_ids is None:
@@ -411,6 +420,15 @@ class BatchedBackend:
         pos = torch.arange(start, end)
         bs = self.block_size
         return (torch.tensor(handle.blocks, dtype=torch.long)[pos // bs] * bs + pos % bs).to(self.device)
+
+    def _run_of(self, handle: PagedSequence, end: int) -> slice | None:
+        """The pool slots of the handle's positions 0..end-1 as one slice when its blocks are
+        consecutive (then attention reads a view of the pool instead of a gathered copy)."""
+        blocks = handle.blocks[:self.units_for(end)]
+        b0 = blocks[0]
+        if blocks[-1] - b0 != len(blocks) - 1 or any(b != b0 + i for i, b in enumerate(blocks)):
+            return None
+        return slice(b0 * self.block_size, b0 * self.block_size + end)
 
     def _ensure_pools(self) -> None:
         """The pools exist once a forward pass has run; run one scratch token if none has."""
@@ -436,7 +454,7 @@ class BatchedBackend:
         if len(handle.blocks) > keep:
             released = handle.blocks[keep:]
             del handle.blocks[keep:]
-            for block in reversed(released):  # the free list hands out low ids first
+            for block in released:
                 self._release(block)
         del handle.tokens[length:]
         del handle.hashes[length // bs:]
@@ -457,10 +475,10 @@ class BatchedBackend:
         token would land in, or do nothing at all (lock held)."""
         needs = [self._needs(h, start, len(ids)) for h, ids, start in items]
         total = sum(needs)
-        if total > len(self._free_blocks):
+        if total > self._num_free:
             raise ResourceExhausted(
                 f"KV cache full: this batch needs {total} more blocks of {self.block_size} tokens, "
-                f"{len(self._free_blocks)} of {self.num_blocks} are free (capacity {self.max_tokens} tokens)"
+                f"{self._num_free} of {self.num_blocks} are free (capacity {self.max_tokens} tokens)"
             )
         bs = self.block_size
         for handle, ids, start in items:
@@ -470,14 +488,14 @@ class BatchedBackend:
             if kept:  # the first new token lands in the handle's partial last block
                 old = handle.blocks[b]
                 if self._refs[old] > 1:  # shared: never written; continue in a private copy
-                    new = self._take_block()
+                    new = self._take_block(handle.blocks[b - 1] if b else None, 1)
                     self._copy_slots(old, new, kept)
                     handle.blocks[b] = new
                     self._release(old)
                 else:
                     self._unindex(old)
-            for _ in range(self.units_for(start + len(ids)) - len(handle.blocks)):
-                handle.blocks.append(self._take_block())
+            for left in range(self.units_for(start + len(ids)) - len(handle.blocks), 0, -1):
+                handle.blocks.append(self._take_block(handle.blocks[-1] if handle.blocks else None, left))
 
     def _appended(self, handle: PagedSequence, start: int, token_ids) -> None:
         """Bookkeeping after token_ids were written at `start` (lock held): the new length, and
@@ -496,17 +514,38 @@ class BatchedBackend:
                 self._index[prev] = block
                 self._indexed[block] = prev
 
-    def _take_block(self) -> int:
-        block = self._free_blocks.pop()
+    def _take_block(self, after: int | None, run: int) -> int:
+        """A free block for a handle whose last block is `after` and that needs `run` more: the
+        block right after `after` when it is free, so that a session's blocks stay one run
+        (attention then reads a view of the pool), else the start of a new run (lock held)."""
+        if after is not None and after + 1 < self.num_blocks and self._is_free[after + 1]:
+            block = after + 1
+        else:
+            block = self._new_run_start(run)
+        self._is_free[block] = False
+        self._num_free -= 1
         self._refs[block] = 1
         return block
+
+    def _new_run_start(self, run: int) -> int:
+        """Where a new run of `run` blocks starts: in the longest stretch of free blocks, at its
+        start when it begins the pool or is too short to halve, else halfway, which leaves the
+        run before it room to grow in place (lock held; at least one block is free)."""
+        edges = np.flatnonzero(np.diff(self._is_free, prepend=False, append=False))
+        starts, ends = edges[0::2], edges[1::2]
+        i = int(np.argmax(ends - starts))
+        start, end = int(starts[i]), int(ends[i])
+        if start == 0 or end - start < 2 * run:
+            return start
+        return start + (end - start) // 2
 
     def _release(self, block: int) -> None:
         """Drop one reference; the last one returns the block to the free list (lock held)."""
         self._refs[block] -= 1
         if self._refs[block] == 0:
             self._unindex(block)
-            self._free_blocks.append(block)
+            self._is_free[block] = True
+            self._num_free += 1
 
     def _unindex(self, block: int) -> None:
         h = self._indexed.pop(block, None)
@@ -519,7 +558,7 @@ class BatchedBackend:
         bs = self.block_size
         for pools in (self._k_pools, self._v_pools):
             for pool in pools.values():
-                pool[dst * bs:dst * bs + n] = pool[src * bs:src * bs + n]
+                pool[:, dst * bs:dst * bs + n] = pool[:, src * bs:src * bs + n]
 
     def _groups(self, items) -> list[list[int]]:
         """Consecutive runs of non-empty items whose attention scores (new tokens x keys, summed
@@ -546,7 +585,7 @@ class BatchedBackend:
         if pool is None:
             with self._lock:
                 if layer_idx not in self._k_pools:
-                    shape = (self.num_blocks * self.block_size, like.shape[1], like.shape[3])
+                    shape = (like.shape[1], self.num_blocks * self.block_size, like.shape[3])
                     # torch.empty: on CPU the pages are only committed as they are written
                     self._k_pools[layer_idx] = torch.empty(shape, dtype=like.dtype, device=like.device)
                     self._v_pools[layer_idx] = torch.empty(shape, dtype=like.dtype, device=like.device)
@@ -569,7 +608,10 @@ class BatchedBackend:
             if start and n > 1:  # query j (position start + j) sees keys 0..start + j
                 mask = (pos[None, :] <= pos[start:, None]).to(dev)
             q0 = len(input_ids) - n
-            batch.append(_Item(q0, q0 + n, slots if start else None, mask, is_causal=not start and n > 1))
+            read = None
+            if start:
+                read = self._run_of(handle, end) or slots
+            batch.append(_Item(q0, q0 + n, read, mask, is_causal=not start and n > 1))
         view = _BatchView(self, torch.cat(write), batch)
         out = self.model(
             input_ids=torch.tensor([input_ids], dtype=torch.long, device=dev),

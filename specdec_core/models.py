@@ -101,7 +101,10 @@ def load_tokenizer(ref: str, cache_dir: Path | None = None):
 def load_causal_lm(ref: str, dtype: str = "float32", device: str = "cpu", cache_dir: Path | None = None,
                    tensor_parallel: bool = False):
     """A transformers causal LM in eval mode, from any model reference. tensor_parallel: shard it
-    over the initialized process group with the model's own tensor-parallel plan."""
+    over the initialized process group with the model's own tensor-parallel plan. On the CPU its
+    linear layers run on oneDNN with packed weights (`cpu_linear`; SPECDEC_PACKED_LINEARS=0 keeps
+    PyTorch's own): everything that loads a model here runs the same kernels, so their outputs
+    compare bit for bit. Not under tensor parallelism, whose hooks wrap the layers' weights."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -112,4 +115,9 @@ def load_causal_lm(ref: str, dtype: str = "float32", device: str = "cpu", cache_
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
                                                      distributed_config=DistributedConfig(tp_plan="auto"))
         return model.eval()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    if os.environ.get("SPECDEC_PACKED_LINEARS", "1") != "0":
+        from specdec_core.cpu_linear import pack_linears
+
+        pack_linears(model)
+    return model

@@ -304,15 +304,15 @@ def check_pool(bb: BatchedBackend, handles) -> None:
         for block in h.blocks:
             counts[block] += 1
     assert bb._refs == counts
-    assert sorted(bb._free_blocks) == [b for b, n in enumerate(counts) if n == 0]
-    assert len(set(bb._free_blocks)) == len(bb._free_blocks)
+    assert bb.free_block_ids() == [b for b, n in enumerate(counts) if n == 0]
+    assert bb.num_free_blocks == len(bb.free_block_ids())
     assert {b: h for h, b in bb._index.items()} == bb._indexed
     assert all(counts[b] > 0 for b in bb._indexed)
     assert bb.shared_blocks == sum(1 for n in counts if n > 1)
 
 
 def state(bb: BatchedBackend, handles):
-    return (list(bb._free_blocks), list(bb._refs), dict(bb._index),
+    return (bb.free_block_ids(), list(bb._refs), dict(bb._index),
             [(list(h.blocks), h.length, list(h.tokens), list(h.hashes)) for h in handles])
 
 
@@ -369,7 +369,7 @@ def test_share_prefix_drops_a_partial_block_only_for_a_gain(shared):
     assert bb.share_prefix(c, tok_a[:5] + [7] * 20, limit=25) == 5  # block 0 differs: nothing to gain
     assert bb.share_prefix(c, tok_a, limit=7) == 5  # no whole block within the limit
     assert bb.share_prefix(c, tok_a, limit=39) == 32
-    assert c.blocks == a.blocks[:4] and own in bb._free_blocks
+    assert c.blocks == a.blocks[:4] and own in bb.free_block_ids()
     check_pool(bb, [a, b, c])
     with pytest.raises(ValueError, match="prefix"):
         bb.share_prefix(c, tok_b[:30] + [0] * 20, limit=49)
@@ -433,7 +433,7 @@ def test_freeing_shared_handles_returns_every_block(shared, order):
     assert len(bb._index) == 5  # the blocks the second still holds are still indexed
     bb.free(second)
     assert bb.num_free_blocks == bb.num_blocks and bb._index == {} and bb._indexed == {}
-    assert bb._refs == [0] * bb.num_blocks and sorted(bb._free_blocks) == list(range(bb.num_blocks))
+    assert bb._refs == [0] * bb.num_blocks and bb.free_block_ids() == list(range(bb.num_blocks))
     check_pool(bb, [a, b])
 
 
@@ -512,3 +512,34 @@ def test_import_kv_with_token_ids_indexes_its_blocks(model):
     bb.forward(unknown, seq[:16], 0)
     assert unknown.tokens == seq[:16] and len(unknown.hashes) == 2
     check_pool(bb, [known, unknown, other])
+
+
+def test_sessions_grow_in_place_and_attend_through_a_view(model, hf):
+    """Sessions that prefill and then decode in turns keep their blocks one run each (a new run
+    starts halfway into the longest free stretch, and growth takes the next block), so attention
+    reads a view of the pool; the logits are each session's own."""
+    bb = BatchedBackend(model, max_tokens=1024, block_size=4)
+    seqs = [tokens(60, seed=70 + i) for i in range(4)]
+    handles = [bb.allocate() for _ in seqs]
+    bb.forward_batch([(h, s[:9], 0) for h, s in zip(handles, seqs)])
+    for pos in range(9, 40, 3):  # every step crosses block boundaries for some session
+        outs = bb.forward_batch([(h, s[pos:pos + 3], pos) for h, s in zip(handles, seqs)])
+        for out, seq in zip(outs, seqs):
+            assert_same(out, alone(hf, [seq[:pos], seq[pos:pos + 3]])[-1])
+    for h in handles:
+        assert bb._run_of(h, h.length) is not None, h.blocks
+    starts = sorted(h.blocks[0] for h in handles)
+    assert len(set(starts)) == 4
+
+
+def test_sessions_out_of_room_to_grow_in_place_read_gathered_keys(model, hf):
+    """In a pool too small for room between sessions their blocks interleave: the gathered path
+    gives the same logits."""
+    bb = BatchedBackend(model, max_tokens=64, block_size=4)
+    seqs = [tokens(20, seed=80 + i) for i in range(3)]
+    handles = [bb.allocate() for _ in seqs]
+    for pos in range(0, 20, 2):
+        outs = bb.forward_batch([(h, s[pos:pos + 2], pos) for h, s in zip(handles, seqs)])
+    assert any(bb._run_of(h, h.length) is None for h in handles)
+    for out, seq in zip(outs, seqs):
+        assert_same(out, alone(hf, [seq[:18], seq[18:]])[-1])
