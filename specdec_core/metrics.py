@@ -24,6 +24,7 @@ VERIFY_BATCH = Histogram("specdec_verify_batch_size", "sessions verified in one 
                          buckets=(1, 2, 4, 8, 16, 32, 64))
 FORWARD_SECONDS = Histogram("specdec_forward_seconds", "worker forward-pass latency", ["role"],
                             buckets=LATENCY_BUCKETS)
+TARGET_THREADS = Gauge("specdec_target_threads", "intra-op threads of the target's last batch (--solo-threads)")
 QUEUE_DEPTH = Gauge("specdec_worker_queue_depth", "requests waiting for the next batch")
 CACHE_TOKENS = Gauge("specdec_cache_tokens", "tokens held in worker KV caches", ["role"])
 CACHE_SESSIONS = Gauge("specdec_cache_sessions", "sessions with a worker KV cache", ["role"])

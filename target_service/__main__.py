@@ -24,7 +24,7 @@ from specdec_core.server import create_server, serve
 from target_service import tensor_parallel as tp
 from target_service.config import TargetConfig
 from target_service.servicer import TargetServicer
-from target_service.verifier import Verifier
+from target_service.verifier import CoreShare, Verifier
 
 log = logging.getLogger("target_service")
 
@@ -79,7 +79,10 @@ def _die(exc: BaseException) -> None:
 
 def run_server(cfg: TargetConfig, backend, tier=None) -> None:
     caches = SessionCaches(backend, role="target", tier=tier, share_prefixes=cfg.kv_store.prefix_sharing)
-    verifier = Verifier(caches, backend.max_context, cfg.batch_window_ms / 1e3, cfg.max_batch, cfg.max_queue)
+    cores = None
+    if cfg.solo_threads and cfg.threads and cfg.tensor_parallel_size == 1:
+        cores = CoreShare(cfg.threads, cfg.solo_threads)
+    verifier = Verifier(caches, backend.max_context, cfg.batch_window_ms / 1e3, cfg.max_batch, cfg.max_queue, cores)
     service = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
     server = create_server(Lanes(frozenset({f"/{service}/Verify"}), work=cfg.max_queue))
     target_pb2_grpc.add_TargetServicer_to_server(TargetServicer(verifier, cfg.model, cfg.tensor_parallel_size), server)

@@ -12,11 +12,12 @@ from specdec_core.errors import ResourceExhausted
 from specdec_core.kvcache import SessionCaches
 from specdec_core.logs import short_id
 from specdec_core.sampling import SamplingConfig
-from target_service.verifier import Verifier, VerifyTask
+from target_service.verifier import CoreShare, Verifier, VerifyTask
 from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.capacity
 VOCAB = 256
+GREEDY = SamplingConfig()
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +46,22 @@ def test_a_session_that_does_not_fit_is_refused_alone(model):
     assert caches.num_free_units == pool.num_free_blocks
     again = Verifier(caches, max_context=512)._verify_batch([tasks[1]])  # alone, after a and b are idle
     assert not isinstance(again[0], BaseException)  # a and b were evicted to make room
+
+
+def test_core_share_gives_the_target_every_core_once_nothing_is_drafted():
+    """`--solo-threads`: a batch with draft tokens runs on the target's share; batches without
+    any, once none had drafts for quiet_s, on every core. A fake clock: no test waits."""
+    now = [100.0]
+    cores = CoreShare(threads=1, solo=2, quiet_s=0.5, clock=lambda: now[0])
+    before = torch.get_num_threads()
+    try:
+        plain = VerifyTask("a", [1, 2], [], GREEDY)
+        drafted = VerifyTask("b", [1, 2], [3, 4], GREEDY)
+        assert cores.for_batch([plain]) == 2 and torch.get_num_threads() == 2
+        assert cores.for_batch([plain, drafted]) == 1 and torch.get_num_threads() == 1
+        now[0] += 0.2
+        assert cores.for_batch([plain]) == 1  # the draft worker may still be busy
+        now[0] += 0.4
+        assert cores.for_batch([plain]) == 2 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
