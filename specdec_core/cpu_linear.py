@@ -16,7 +16,7 @@ loaded by `models.load_causal_lm` too.
 `pack_linears(model)` swaps the forward of every `nn.Linear` of a CPU model in float32 (or
 bfloat16 where oneDNN has it) for the packed one. A layer whose weight is also another module's
 (tied input embeddings and LM head) keeps its weight and gains the packed copy; any other layer's
-weight is replaced by the packed copy, so the model's memory does not grow.
+weight is replaced by the packed copy, so the model's memory does not grow (tied weights aside).
 """
 
 from __future__ import annotations
@@ -60,6 +60,10 @@ def pack_linears(model: torch.nn.Module) -> int:
         m.forward = types.MethodType(_packed_forward, m)
         if id(w) not in shared:
             m.weight = torch.nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+    # transformers maps the weight files into memory; the tensors left (embeddings, norms) would keep
+    # the whole mapping, and the pages the packing read, resident. Copies of them let it go.
+    for p in model.parameters():
+        p.data = p.data.clone()
     log.info("%d linear layers run on oneDNN with packed weights", len(linears))
     return len(linears)
 
