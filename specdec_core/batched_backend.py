@@ -12,15 +12,20 @@ How it works (the CPU path of transformers' continuous batching, with our own bo
   calls `cache.update(k, v, layer)` on a per-batch view of the pool, which writes the new
   keys/values into their slots (`index_copy_`).
 - attention runs per session: the backend registers an attention function (`specdec_paged`) with
-  transformers and switches the model to it. Inside a batch it takes each session's queries, gathers
-  that session's keys/values 0..start+n-1 from its slots (`index_select`) and calls SDPA with
-  grouped-query heads and a causal mask over the new positions; outside a batch (the same model
-  object used elsewhere) it calls the implementation the model had before. A session never
-  attends over another's keys: an earlier version ran one dense block-diagonal masked pass over
-  all of them, which made 8 one-token decodes at 600-token contexts cost 512 ms instead of 178 ms.
+  transformers and switches the model to it. Inside a batch it takes each session's queries and
+  that session's keys/values 0..start+n-1 and calls SDPA with grouped-query heads and a causal mask
+  over the new positions; outside a batch (the same model object used elsewhere) it calls the
+  implementation the model had before. A session never attends over another's keys: an earlier
+  version ran one dense block-diagonal masked pass over all of them, which made 8 one-token decodes
+  at 600-token contexts cost 512 ms instead of 178 ms.
+- a session's blocks are kept one run of consecutive blocks where the pool has room: a new run
+  starts halfway into the longest stretch of free blocks, and a session grows into the block after
+  its last. Its keys are then a view of the pool, which SDPA reads in place; only a session whose
+  blocks are scattered (a shared prefix, a crowded pool) has its keys gathered (`index_select`),
+  which at 8 sessions of ~350 tokens had cost a fifth of the decode step.
 - the LM head runs only on the rows whose logits the caller reads (`num_logits`).
-Nothing is copied per step but the gathered keys/values of the sessions in the batch (what a
-paged-attention kernel reads anyway); crop and free only edit block tables (and reference counts).
+Nothing is copied per step but the keys/values of scattered sessions; crop and free only edit
+block tables (and reference counts).
 
 Prefix sharing: sessions whose tokens begin alike (a common system prompt, a document several
 requests ask about) hold the identical full blocks of that prefix once, and a new session adopts
@@ -600,17 +605,15 @@ class BatchedBackend:
             n = len(token_ids)
             end = start + n
             input_ids.extend(token_ids)
-            pos = torch.arange(end)
-            slots = self._slots(handle, 0, end)  # of keys 0..end, on the device
-            positions.append(pos[start:])
-            write.append(slots[start:])
-            mask = None
-            if start and n > 1:  # query j (position start + j) sees keys 0..start + j
-                mask = (pos[None, :] <= pos[start:, None]).to(dev)
+            positions.append(torch.arange(start, end))
+            write.append(self._slots(handle, start, end))
+            read = mask = None
+            if start:  # keys 0..end: a view of the pool when they are one run, else their slots
+                read = self._run_of(handle, end) or self._slots(handle, 0, end)
+                if n > 1:  # query j (position start + j) sees keys 0..start + j
+                    pos = torch.arange(end)
+                    mask = (pos[None, :] <= pos[start:, None]).to(dev)
             q0 = len(input_ids) - n
-            read = None
-            if start:
-                read = self._run_of(handle, end) or slots
             batch.append(_Item(q0, q0 + n, read, mask, is_causal=not start and n > 1))
         view = _BatchView(self, torch.cat(write), batch)
         out = self.model(
