@@ -275,7 +275,8 @@ def bench_vllm(plan: Plan, progress: Progress, log_dir: Path, save: Callable[[li
                 if top > 1:
                     jobs = [(i % len(prompts), prompts[i % len(prompts)]) for i in range(max(len(prompts), top))]
                     peer.probe.reset()
-                    requests, wall = peer.run_batch(jobs, top, lambda request, started: None)
+                    requests, wall = peer.run_batch(jobs, top, lambda request, started: None,
+                                                    max_new_tokens=plan.max_new_tokens)
                     progress(f"[main {prompt_set} c{top}] {name}: "
                              f"{sum(len(q.token_ids) for q in requests) / wall:.1f} tok/s")
                     out.append(row("main", prompt_set, name, top, None, requests, wall, peer.probe.peak_mb()))

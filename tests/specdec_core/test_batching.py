@@ -83,3 +83,54 @@ def test_the_engine_thread_survives_a_failing_batch():
         q.submit("x", "b")
     del q._dropped
     assert q.submit("fine", "c") == "fine"
+
+
+def test_a_batch_waits_for_the_members_of_the_last_one():
+    """Regrouping: sessions of one batch that come back one by one run as one batch again (not as
+    two that alternate for good); a session that does not come back is waited for at most
+    regroup_s. Ordered by events, not by sleeps: the engine could not run the second round without
+    waiting, since its members are submitted one at a time."""
+    gate, batches = threading.Event(), []
+
+    def process(tasks):
+        if tasks == ["gate"]:
+            gate.wait(30)
+        batches.append(sorted(tasks))
+        return tasks
+
+    q = BatchQueue(process, window_s=0.0, max_batch=8, regroup_s=0.0)
+
+    def submit_all(tasks):
+        threads = [threading.Thread(target=q.submit, args=(t, t)) for t in tasks]
+        for t in threads:
+            t.start()
+        return threads
+
+    first = submit_all(["gate"])
+    while q._running_since is None:  # the gate batch is running
+        time.sleep(0.001)
+    members = submit_all(["a", "b", "c"])
+    while q._queue.qsize() < 3:
+        time.sleep(0.001)
+    gate.set()
+    for t in first + members:
+        t.join(30)
+    assert batches == [["gate"], ["a", "b", "c"]]
+
+    q.regroup_s = 60.0
+    one_by_one = []
+    puts = q._queue.unfinished_tasks  # every put counts (nothing calls task_done)
+    for name in ("c", "a", "b"):
+        one_by_one += submit_all([name])
+        puts += 1
+        while q._queue.unfinished_tasks < puts or q._queue.qsize():  # until the engine took it
+            time.sleep(0.001)
+    for t in one_by_one:
+        t.join(30)
+    assert batches[2] == ["a", "b", "c"]
+
+    q.regroup_s = 0.05  # c has finished: a and b wait for it no longer than this
+    for t in submit_all(["a", "b"]):
+        t.join(30)
+        assert not t.is_alive()
+    assert sorted(sum(batches[3:], [])) == ["a", "b"]
