@@ -120,7 +120,7 @@ def stream(client: Client, prompt, metadata=None, **kwargs) -> list[pb.GenerateS
 # ---- a. TLS + the right token ------------------------------------------------------------------
 
 def test_tls_client_with_token_generates(secure_stack, pki, client, hf_greedy):
-    chunks = stream(client, IDS, bearer(TOKENS[0]), max_new_tokens=24, k=4)
+    chunks = stream(client, IDS, bearer(TOKENS[0]), max_new_tokens=24, k=4, overlap=False)  # rounds wait for drafts
     ids = [t for c in chunks for t in c.token_ids]
     assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH and len(chunks) > 1
     assert ids == hf_greedy(IDS, 24)

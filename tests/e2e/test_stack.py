@@ -35,9 +35,9 @@ def test_greedy_identical_to_target_alone(client, hf_greedy, k, overlap):
     for ids in PROMPT_IDS:
         result = client.generate(ids, max_new_tokens=40, k=k, overlap=overlap)
         assert result.token_ids == hf_greedy(ids, 40)
-        if k:
+        if k and not overlap:  # with overlap, greedy rounds never wait for the draft: it may miss them all
             assert result.stats["drafted"] > 0
-        else:
+        elif not k:
             assert result.stats["drafted"] == 0 and result.stats["rounds"] == len(result.token_ids)
 
 
@@ -116,7 +116,7 @@ def test_worker_restart_mid_session_keeps_greedy_output(tiny_stack, hf_greedy, w
     with Client(tiny_stack.address("coordinator"), timeout_s=120) as c:
         first = c.generate([21, 22, 23], max_new_tokens=16, k=4)
         tiny_stack.restart(worker)
-        second = c.generate([24], max_new_tokens=16, k=4, session_id=first.session_id)
+        second = c.generate([24], max_new_tokens=16, k=4, overlap=False, session_id=first.session_id)
         # The draft is back, not silently skipped for good: a call that found the restarted draft's
         # channel still reconnecting marks it down for a backoff (1 s, doubling), and a short
         # request can end inside it, so later requests are what must draft again.
@@ -124,7 +124,7 @@ def test_worker_restart_mid_session_keeps_greedy_output(tiny_stack, hf_greedy, w
         deadline = time.monotonic() + 60
         while not drafted and time.monotonic() < deadline:
             time.sleep(0.5)
-            drafted = c.generate([21, 22, 23], max_new_tokens=8, k=4).stats["drafted"]
+            drafted = c.generate([21, 22, 23], max_new_tokens=8, k=4, overlap=False).stats["drafted"]
     history = [21, 22, 23] + first.token_ids + [24]
     assert second.token_ids == hf_greedy(history, 16)
     assert drafted > 0
