@@ -19,8 +19,8 @@ How it works (the CPU path of transformers' continuous batching, with our own bo
   version ran one dense block-diagonal masked pass over all of them, which made 8 one-token decodes
   at 600-token contexts cost 512 ms instead of 178 ms.
 - a session's blocks are kept one run of consecutive blocks where the pool has room: a new run
-  starts halfway into the longest stretch of free blocks, and a session grows into the block after
-  its last. Its keys are then a view of the pool, which SDPA reads in place; only a session whose
+  starts in the first stretch of free blocks that leaves 512 tokens of room on either side, and a
+  session grows into the block after its last. Its keys are then a view of the pool, which SDPA reads in place; only a session whose
   blocks are scattered (a shared prefix, a crowded pool) has its keys gathered (`index_select`),
   which at 8 sessions of ~350 tokens had cost a fifth of the decode step.
 - the LM head runs only on the rows whose logits the caller reads (`num_logits`).
@@ -73,6 +73,7 @@ from specdec_core.errors import ResourceExhausted
 from specdec_core.kvcache import logits_per_item, prefix_hash
 
 _ATTENTION = "specdec_paged"
+GROWTH_TOKENS = 512
 _SUPPORTED_ATTENTION = ("sdpa", "eager", _ATTENTION)
 
 
@@ -202,6 +203,8 @@ class BatchedBackend:
         self.num_blocks = -(-int(max_tokens) // self.block_size)
         self.max_tokens = self.num_blocks * self.block_size
         self.max_attention_elements = int(max_attention_elements)
+        # room left after a session's blocks for it to grow in place (a reply, the next turn)
+        self.growth_blocks = max(1, GROWTH_TOKENS // self.block_size)
         self._is_free = np.ones(self.num_blocks, dtype=bool)
         self._num_free = self.num_blocks
         self._refs = [0] * self.num_blocks  # holders per block (0: free)
@@ -533,16 +536,22 @@ class BatchedBackend:
         return block
 
     def _new_run_start(self, run: int) -> int:
-        """Where a new run of `run` blocks starts: in the longest stretch of free blocks, at its
-        start when it begins the pool or is too short to halve, else halfway, which leaves the
-        run before it room to grow in place (lock held; at least one block is free)."""
+        """Where a new run of `run` blocks starts (lock held; at least one block is free): in the
+        first stretch of free blocks with room for it and `growth_blocks` to grow into on both
+        sides (none before it at the start of the pool), past the room it leaves the run before
+        it. First fit keeps sessions in the low blocks, whose pages are already resident: the pool
+        is allocated lazily, and placing runs anywhere would commit all of it over time. With no
+        such room: the longest stretch, halfway in when it holds two runs, else its start."""
         edges = np.flatnonzero(np.diff(self._is_free, prepend=False, append=False))
         starts, ends = edges[0::2], edges[1::2]
+        room = self.growth_blocks
+        for start, end in zip(starts.tolist(), ends.tolist()):
+            lead = room if start else 0
+            if end - start >= lead + run + room:
+                return start + lead
         i = int(np.argmax(ends - starts))
         start, end = int(starts[i]), int(ends[i])
-        if start == 0 or end - start < 2 * run:
-            return start
-        return start + (end - start) // 2
+        return start if start == 0 or end - start < 2 * run else start + (end - start) // 2
 
     def _release(self, block: int) -> None:
         """Drop one reference; the last one returns the block to the free list (lock held)."""

@@ -516,9 +516,9 @@ def test_import_kv_with_token_ids_indexes_its_blocks(model):
 
 def test_sessions_grow_in_place_and_attend_through_a_view(model, hf):
     """Sessions that prefill and then decode in turns keep their blocks one run each (a new run
-    starts halfway into the longest free stretch, and growth takes the next block), so attention
-    reads a view of the pool; the logits are each session's own."""
-    bb = BatchedBackend(model, max_tokens=1024, block_size=4)
+    starts with room to grow after the last one, and growth takes the next block), so attention
+    reads a view of the pool; the logits are each session's own. They stay in the low blocks."""
+    bb = BatchedBackend(model, max_tokens=4096, block_size=4)
     seqs = [tokens(60, seed=70 + i) for i in range(4)]
     handles = [bb.allocate() for _ in seqs]
     bb.forward_batch([(h, s[:9], 0) for h, s in zip(handles, seqs)])
@@ -528,8 +528,16 @@ def test_sessions_grow_in_place_and_attend_through_a_view(model, hf):
             assert_same(out, alone(hf, [seq[:pos], seq[pos:pos + 3]])[-1])
     for h in handles:
         assert bb._run_of(h, h.length) is not None, h.blocks
-    starts = sorted(h.blocks[0] for h in handles)
-    assert len(set(starts)) == 4
+    room = bb.growth_blocks
+    assert sorted(h.blocks[0] for h in handles) == [i * (3 + room) for i in range(4)]
+    # sessions that come and go reuse the lowest blocks (the pool's pages already resident)
+    for h in handles[:3]:
+        bb.free(h)
+    for _ in range(5):
+        again = bb.allocate()
+        bb.forward(again, seqs[0][:9], 0)
+        assert again.blocks == [0, 1, 2]
+        bb.free(again)
 
 
 def test_sessions_out_of_room_to_grow_in_place_read_gathered_keys(model, hf):
