@@ -19,7 +19,7 @@ How it works (the CPU path of transformers' continuous batching, with our own bo
   version ran one dense block-diagonal masked pass over all of them, which made 8 one-token decodes
   at 600-token contexts cost 512 ms instead of 178 ms.
 - a session's blocks are kept one run of consecutive blocks where the pool has room: a new run
-  starts in the first stretch of free blocks that leaves 512 tokens of room on either side, and a
+  starts in the first stretch of free blocks that leaves 256 tokens of room on either side, and a
   session grows into the block after its last. Its keys are then a view of the pool, which SDPA reads in place; only a session whose
   blocks are scattered (a shared prefix, a crowded pool) has its keys gathered (`index_select`),
   which at 8 sessions of ~350 tokens had cost a fifth of the decode step.
@@ -73,7 +73,7 @@ from specdec_core.errors import ResourceExhausted
 from specdec_core.kvcache import logits_per_item, prefix_hash
 
 _ATTENTION = "specdec_paged"
-GROWTH_TOKENS = 512
+GROWTH_TOKENS = 256  # room to grow in place; each session's unused room may stay resident
 _SUPPORTED_ATTENTION = ("sdpa", "eager", _ATTENTION)
 
 
