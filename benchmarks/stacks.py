@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import redis
 
@@ -24,6 +25,8 @@ from measure import MemoryProbe, Request
 from specdec import Client
 from specdec.client import stats_dict
 from specdec.launcher import Stack, _wait_port, free_port, redis_server_binary, spawn
+
+T = TypeVar("T")
 
 CLIENT_TIMEOUT_S = 1800.0
 
@@ -116,9 +119,21 @@ def specdec_runner(client: Client, options: dict) -> Callable[[int, list[dict], 
 
 def run_batch(address: str, jobs: list[tuple[int, list[dict]]], concurrency: int, options: dict,
               on_done: Callable[[Request, float], None]) -> tuple[list[Request], float]:
-    """c client threads, thread t sending jobs[t::c] one after another, all released together.
-    Returns the requests and the wall time of the whole batch."""
+    """c client threads against a specdec stack (see run_concurrently)."""
     clients = [Client(address, timeout_s=CLIENT_TIMEOUT_S) for _ in range(concurrency)]
+    try:
+        return run_concurrently(jobs, concurrency,
+                                lambda t, index, messages: specdec_request(clients[t], index, messages, options),
+                                on_done)
+    finally:
+        for client in clients:
+            client.close()
+
+
+def run_concurrently(jobs: list[tuple[int, T]], concurrency: int, send: Callable[[int, int, T], Request],
+                     on_done: Callable[[Request, float], None]) -> tuple[list[Request], float]:
+    """c threads, thread t sending jobs[t::c] one after another with send(t, index, job), all
+    released together. Returns the requests and the wall time of the whole batch."""
     barrier = threading.Barrier(concurrency + 1)
     done: list[Request] = []
     errors: list[BaseException] = []
@@ -127,8 +142,8 @@ def run_batch(address: str, jobs: list[tuple[int, list[dict]]], concurrency: int
     def worker(t: int) -> None:
         barrier.wait()
         try:
-            for index, messages in jobs[t::concurrency]:
-                request = specdec_request(clients[t], index, messages, options)
+            for index, job in jobs[t::concurrency]:
+                request = send(t, index, job)
                 with lock:
                     done.append(request)
                     on_done(request, started)
@@ -143,8 +158,6 @@ def run_batch(address: str, jobs: list[tuple[int, list[dict]]], concurrency: int
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - started
-    for client in clients:
-        client.close()
     if errors:
         raise errors[0]
     return done, wall

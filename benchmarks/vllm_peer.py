@@ -28,7 +28,6 @@ import os
 import signal
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,7 +40,7 @@ from baselines import chat_ids
 from measure import MemoryProbe, Progress, Request, config_stats
 from prompts import SETS, take
 from specdec.launcher import _signal_group, free_port, spawn, wait_http
-from stacks import CLIENT_TIMEOUT_S
+from stacks import CLIENT_TIMEOUT_S, run_concurrently
 
 VLLM_VENV = Path(__file__).resolve().parent / ".vllm-venv"
 SERVED_NAME = "target"
@@ -167,41 +166,18 @@ class VLLMPeer:
     def run_batch(self, jobs: list[tuple[int, list[dict]]], concurrency: int,
                   on_done: Callable[[Request, float], None], *, max_new_tokens: int
                   ) -> tuple[list[Request], float]:
-        """stacks.run_batch against this server: c client threads, thread t sending jobs[t::c] one
-        after another, all released together. Returns the requests and the wall time of the whole
-        batch. The prompts are tokenized before the threads start (a transformers tokenizer is not
-        to be shared between threads)."""
+        """stacks.run_batch against this server (`stacks.run_concurrently`: c client threads,
+        thread t sending jobs[t::c] one after another, all released together). The prompts are
+        tokenized before the threads start (a transformers tokenizer is not to be shared between
+        threads)."""
         encoded = [(index, chat_ids(self.tokenizer, messages)) for index, messages in jobs]
         sessions = [requests.Session() for _ in range(concurrency)]
-        barrier = threading.Barrier(concurrency + 1)
-        done: list[Request] = []
-        errors: list[BaseException] = []
-        lock = threading.Lock()
-
-        def worker(t: int) -> None:
-            barrier.wait()
-            try:
-                for index, prompt_ids in encoded[t::concurrency]:
-                    request = self._stream(sessions[t], index, prompt_ids, max_new_tokens)
-                    with lock:
-                        done.append(request)
-                        on_done(request, started)
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-                errors.append(exc)
-
-        threads = [threading.Thread(target=worker, args=(t,), daemon=True) for t in range(concurrency)]
-        for thread in threads:
-            thread.start()
-        started = time.perf_counter()
-        barrier.wait()
-        for thread in threads:
-            thread.join()
-        wall = time.perf_counter() - started
-        for session in sessions:
-            session.close()
-        if errors:
-            raise errors[0]
-        return done, wall
+        try:
+            return run_concurrently(encoded, concurrency, lambda t, index, prompt_ids: self._stream(
+                sessions[t], index, prompt_ids, max_new_tokens), on_done)
+        finally:
+            for session in sessions:
+                session.close()
 
 
 def _summary(label: str, requests_: list[Request], wall_s: float) -> str:
