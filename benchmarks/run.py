@@ -267,11 +267,11 @@ def bench_vllm(plan: Plan, progress: Progress, log_dir: Path, save: Callable[[li
     out: list[dict] = []
     for name in plan.vllm:
         with VLLMPeer(resolve_model("smollm2"), VLLM[name], log_dir / name, progress) as peer:
-            warm_up({name: Runner(peer.run, peer.probe, None)}, progress)
+            runners = {name: Runner(peer.run, peer.probe, None)}
+            warm_up(runners, progress)
             for prompt_set in sets:
                 prompts = take(prompt_set, plan.prompts)
-                out += sequential("main", prompt_set, prompts, {name: Runner(peer.run, peer.probe, None)},
-                                  plan.max_new_tokens, progress)
+                out += sequential("main", prompt_set, prompts, runners, plan.max_new_tokens, progress)
                 if top > 1:
                     jobs = [(i % len(prompts), prompts[i % len(prompts)]) for i in range(max(len(prompts), top))]
                     peer.probe.reset()

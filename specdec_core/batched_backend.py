@@ -434,7 +434,7 @@ class BatchedBackend:
         consecutive (then attention reads a view of the pool instead of a gathered copy)."""
         blocks = handle.blocks[:self.units_for(end)]
         b0 = blocks[0]
-        if blocks[-1] - b0 != len(blocks) - 1 or any(b != b0 + i for i, b in enumerate(blocks)):
+        if blocks != list(range(b0, b0 + len(blocks))):
             return None
         return slice(b0 * self.block_size, b0 * self.block_size + end)
 

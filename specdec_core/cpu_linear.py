@@ -52,7 +52,7 @@ def pack_linears(model: torch.nn.Module) -> int:
                if isinstance(m, torch.nn.Linear) and not hasattr(m, "specdec_packed_weight")]
     if not linears or linears[0].weight.device.type != "cpu" or not available(linears[0].weight.dtype):
         return 0
-    shared = {id(p) for name, m in model.named_modules() if not isinstance(m, torch.nn.Linear)
+    shared = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Linear)
               for p in m.parameters(recurse=False)}
     for m in linears:
         w = m.weight
