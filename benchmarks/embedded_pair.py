@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from coordinator.adaptive import expected_tokens_per_pass  # noqa: E402
+from coordinator.policy import expected_tokens as expected_tokens_per_pass  # noqa: E402
 from specdec import Client  # noqa: E402
 from specdec.launcher import Stack  # noqa: E402
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordinator.adaptive import expected_tokens_per_pass
+from coordinator.policy import expected_tokens as expected_tokens_per_pass
 
 SPEC_KEYS = ("rounds", "drafted", "accepted", "draft_ms", "verify_ms", "overhead_ms")
 

@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from coordinator.adaptive import AdaptiveK
 from coordinator.loop import Proposer, Speculator, Verifier
+from coordinator.policy import FIXED, MODEL, NGRAM, Costs, SpeculationPolicy
 from coordinator.sessions import DEFAULT_TENANT, RequestRecord, Session, SessionStats, SessionStore
 from coordinator.tenancy import RequestQuota
 from coordinator.text import OutputText, TextCodec
@@ -100,6 +100,8 @@ class RequestStats:
     verify_ms: float = 0.0
     last_k: int = 0
     max_verify_batch_size: int = 0
+    model_rounds: int = 0  # rounds drafted by the draft model
+    ngram_rounds: int = 0  # by n-gram lookup
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,7 @@ class Generation:
         self.ngram = ngram
         self.verifier = verifier
         self.limits = limits
+        self.costs = Costs()  # the workers' costs as measured here, for every session's policy
 
     def run(self, req: GenerationRequest, is_cancelled: Callable[[], bool] = lambda: False,
             tenant: str = DEFAULT_TENANT) -> Iterator[Chunk]:
@@ -198,8 +201,11 @@ class Generation:
         start, input_ids, max_new, record = self._begin(req, session, record)
 
         proposer, k_fixed = self._drafting(req)
-        adaptive = AdaptiveK(max_k=k_fixed or self.limits.default_k) if req.adaptive and proposer else None
         overlap = self.limits.overlap if req.overlap is None else req.overlap
+        policy = self._policy(req, overlap)
+        proposers = {MODEL: self.proposer, NGRAM: self.ngram}
+        if policy is not None:
+            proposer = self.proposer if MODEL in policy.methods else None
         sampling = replace(req.sampling, output_start=start + len(input_ids))  # penalties count from there
         speculator = Speculator(session.session_id, sampling, session.seed, proposer, self.verifier,
                                 self._prefetch if overlap and proposer is self.proposer else None,
@@ -222,11 +228,15 @@ class Generation:
             if is_cancelled():
                 raise Cancelled("the client cancelled the request")
             remaining = max_new - generated
-            k = adaptive.next_k() if adaptive else k_fixed
-            k = max(0, min(k, remaining - 1, self.limits.max_context - len(session.token_ids) - 1))
-            rnd = speculator.round(session.token_ids, k)
-            if adaptive:
-                adaptive.observe(rnd.num_drafted, rnd.num_accepted, rnd.draft_ms, rnd.verify_ms, rnd.verify_batch_size)
+            cap = min(remaining - 1, self.limits.max_context - len(session.token_ids) - 1)
+            if policy is not None:
+                choice = policy.choose(session.token_ids, cap)
+                k, chosen = choice.k, proposers.get(choice.method)
+            else:
+                k, chosen = max(0, min(k_fixed, cap)), proposer
+            rnd = speculator.round(session.token_ids, k, chosen)
+            if policy is not None:
+                policy.observe(rnd)
             new_ids, finish = self._cut(rnd.new_ids, remaining, stop_ids)
             text, keep = out.add(new_ids)
             if keep is not None:
@@ -239,6 +249,9 @@ class Generation:
                 finish = Finish.CONTEXT
             _count_round(stats, rnd)
             stats.last_k = k
+            if rnd.num_drafted:
+                stats.model_rounds += rnd.draft.from_worker
+                stats.ngram_rounds += not rnd.draft.from_worker
             stats.max_verify_batch_size = max(stats.max_verify_batch_size, rnd.verify_batch_size)
             stats.wall_ms = (time.perf_counter() - started) * 1e3
             self._account(session, rnd, len(new_ids), out.text if req.messages is not None else None)
@@ -308,6 +321,20 @@ class Generation:
         session.stats.generated += num_new
         if assistant_text is not None:
             session.messages[-1]["content"] = assistant_text
+
+    def _policy(self, req: GenerationRequest, overlap: bool) -> SpeculationPolicy | None:
+        """The per-round choice of draft method and K, for a request that fixes neither (or asks for
+        `adaptive`: then among its method and none). Sampled requests choose from fixed costs, so
+        that a seed gives the same tokens whatever the load."""
+        if req.method == Method.NONE or (not req.adaptive and (req.method != Method.DEFAULT
+                                                               or req.num_speculative_tokens is not None)):
+            return None
+        if req.method == Method.DEFAULT:
+            methods = {NGRAM} | ({MODEL} if self.proposer is not None else set())
+        else:
+            methods = {MODEL if req.method == Method.MODEL else NGRAM} - ({MODEL} if self.proposer is None else set())
+        costs = self.costs if req.sampling.is_greedy else FIXED
+        return SpeculationPolicy(costs, frozenset(methods), overlap, req.num_speculative_tokens)
 
     def _drafting(self, req: GenerationRequest) -> tuple[Proposer | None, int]:
         k = self.limits.default_k if req.num_speculative_tokens is None else req.num_speculative_tokens

@@ -24,7 +24,7 @@ import contextvars
 import logging
 import time
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from coordinator.cancel import CancelToken, call_cancel
@@ -40,7 +40,9 @@ SparseDist = tuple[list[int], list[float]]
 class Draft:
     token_ids: list[int]
     dists: list[SparseDist] = field(default_factory=list)  # empty when greedy
-    compute_ms: float = 0.0
+    compute_ms: float = 0.0  # the draft worker's whole batch
+    batch_size: int = 0  # sessions in that batch
+    from_worker: bool = True  # False: proposed in the coordinator (n-gram), no draft worker was busy
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,8 @@ class Verdict:
     compute_ms: float = 0.0
     batch_size: int = 1
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per committed token, when asked for
+    batch_tokens: int = 0  # tokens in the target's forward pass, all sessions together
+    threads: int = 0  # the target's intra-op threads for it
 
 
 class Proposer(Protocol):
@@ -77,6 +81,8 @@ class Round:
     verify_ms: float
     verify_batch_size: int = 1
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per new token, when asked for
+    draft: Draft = NO_DRAFT  # what was verified, with its worker's costs
+    verdict: Verdict | None = None
 
 
 class Speculator:
@@ -96,18 +102,22 @@ class Speculator:
         self._rounds = 0
         self.prefetch_hits = 0
 
-    def round(self, committed_ids: list[int], k: int) -> Round:
+    def round(self, committed_ids: list[int], k: int, proposer: Proposer | None = None) -> Round:
+        """One round with K draft tokens from `proposer` (default: the speculator's own, the only one
+        that overlaps: a round with another discards the bet)."""
         started = time.perf_counter()
-        draft = self._take_prefetched(committed_ids, k)
-        if draft is None and k > 0 and self.proposer is not None:
-            draft = self._warm_up(committed_ids, k)
+        proposer = proposer or self.proposer
+        overlaps = proposer is self.proposer and self.executor is not None
+        draft = self._take_prefetched(committed_ids, k if overlaps else 0)
+        if draft is None and k > 0 and proposer is not None:
+            draft = self._warm_up(committed_ids, k) if overlaps else None
             if draft is None:
-                draft = self._propose(committed_ids, k)
+                draft = self._propose(proposer, committed_ids, k)
         elif draft is None:
             draft = NO_DRAFT
         self._rounds += 1
         pending = token = None
-        if self.executor is not None and draft.token_ids:
+        if overlaps and draft.token_ids:
             token = CancelToken()
             pending = self._submit(token, committed_ids + draft.token_ids, k + 1)
         verify_started = time.perf_counter()
@@ -130,11 +140,13 @@ class Speculator:
             verify_ms=(verified - verify_started) * 1e3,
             verify_batch_size=verdict.batch_size,
             logprobs=verdict.logprobs,
+            draft=draft,
+            verdict=verdict,
         )
 
-    def _propose(self, committed_ids: list[int], k: int) -> Draft:
+    def _propose(self, proposer: Proposer, committed_ids: list[int], k: int) -> Draft:
         try:
-            return self.proposer.propose(self.session_id, committed_ids, k, self.sampling, self.seed,
+            return proposer.propose(self.session_id, committed_ids, k, self.sampling, self.seed,
                                          self.min_confidence)
         except Cancelled:
             return NO_DRAFT
@@ -153,7 +165,7 @@ class Speculator:
     def _propose_cancellable(self, token: CancelToken, committed_ids: list[int], k: int) -> Draft:
         reset = call_cancel.set(token)
         try:
-            return self._propose(committed_ids, k)
+            return self._propose(self.proposer, committed_ids, k)
         finally:
             call_cancel.reset(reset)
 
@@ -190,7 +202,7 @@ class Speculator:
         if block is None:
             return None
         self.prefetch_hits += 1
-        return Draft(block.token_ids[:k], block.dists[:k], block.compute_ms)
+        return replace(block, token_ids=block.token_ids[:k], dists=block.dists[:k])
 
 
 @dataclass(frozen=True)
@@ -212,4 +224,4 @@ class _Bet:
         if committed_ids[self.length:] != tokens[:n - self.length]:
             return None
         used = n - self.length
-        return Draft(tokens[used:], self.draft.dists[used:], self.draft.compute_ms)
+        return replace(self.draft, token_ids=tokens[used:], dists=self.draft.dists[used:])

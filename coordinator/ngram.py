@@ -28,7 +28,7 @@ class NgramProposer:
                 min_confidence: float = 0.0) -> Draft:
         tokens = lookup(committed_ids, num_tokens, self.max_ngram, self.min_ngram)
         dists = [] if sampling.is_greedy else [([t], [1.0]) for t in tokens]
-        return Draft(tokens, dists, 0.0)
+        return Draft(tokens, dists, from_worker=False)
 
 
 def lookup(ids: list[int], num_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:

@@ -62,6 +62,8 @@ def stats_to_proto(s: RequestStats | SessionStats) -> pb.SpeculationStats:
         wall_ms=s.wall_ms, draft_ms=s.draft_ms, verify_ms=s.verify_ms, overhead_ms=overhead,
         last_k=getattr(s, "last_k", 0),
         max_verify_batch_size=getattr(s, "max_verify_batch_size", 0),
+        model_rounds=getattr(s, "model_rounds", 0),
+        ngram_rounds=getattr(s, "ngram_rounds", 0),
     )
 
 

@@ -154,7 +154,7 @@ class DraftClient(WorkerClient):
             sampling=sampling_to_proto(sampling), seed=seed, min_confidence=min_confidence,
         ))
         dists = [(list(d.token_ids), list(d.probs)) for d in response.distributions]
-        return Draft(list(response.token_ids), dists, response.compute_ms)
+        return Draft(list(response.token_ids), dists, response.compute_ms, response.batch_size)
 
     def release(self, session_id: str) -> None:
         self.call(self.stub.ReleaseDraftCache, draft_pb2.ReleaseDraftCacheRequest(session_id=session_id))
@@ -173,10 +173,10 @@ class TargetClient(WorkerClient):
         response = self.call(self.stub.Verify, target_pb2.VerifyRequest(
             session_id=session_id, committed_ids=committed_ids, draft_ids=draft.token_ids,
             draft_distributions=[common_pb2.SparseDistribution(token_ids=i, probs=p) for i, p in draft.dists],
-            sampling=sampling_to_proto(sampling), seed=seed,
+            sampling=sampling_to_proto(sampling), seed=seed, drafted_without_worker=not draft.from_worker,
         ))
         return Verdict(response.num_accepted, response.next_token_id, response.compute_ms, response.batch_size,
-                       logprobs_from_proto(response.logprobs))
+                       logprobs_from_proto(response.logprobs), response.batch_tokens, response.threads)
 
     def release(self, session_id: str) -> None:
         self.call(self.stub.ReleaseTargetCache, target_pb2.ReleaseTargetCacheRequest(session_id=session_id))

@@ -55,7 +55,8 @@ class Proposal:
     token_ids: list[int]
     dists: list[SparseDist]  # empty when greedy
     prefill_tokens: int
-    compute_ms: float
+    compute_ms: float  # the batch's
+    batch_size: int = 1
 
 
 @dataclass
@@ -109,7 +110,7 @@ class ModelProposer:
         compute_ms = (time.perf_counter() - started) * 1e3
         metrics.FORWARD_SECONDS.labels("draft").observe(compute_ms / 1e3)
         for i, d in drafting.items():
-            results[i] = Proposal(d.token_ids, d.dists, d.prefill, compute_ms)
+            results[i] = Proposal(d.token_ids, d.dists, d.prefill, compute_ms, len(drafting))
         return results
 
     def _admit(self, drafting: dict[int, _Drafting], results: list) -> None:

@@ -35,6 +35,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             distributions=[common_pb2.SparseDistribution(token_ids=i, probs=p) for i, p in proposal.dists],
             prefill_tokens=proposal.prefill_tokens,
             compute_ms=proposal.compute_ms,
+            batch_size=proposal.batch_size,
         )
 
     @grpc_errors

@@ -99,9 +99,11 @@ def _generation_flags(p: argparse.ArgumentParser, max_new_tokens: int | None = N
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--draft", choices=["default", "model", "ngram", "none"], default="default",
-                   help="drafting method; none = plain target decoding")
+                   help="drafting method; none = plain target decoding; default: the coordinator's policy "
+                        "chooses the method and K every round (unless -k is given: the draft model with that K)")
     p.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=None, help="draft tokens per round")
-    p.add_argument("--adaptive", action="store_true", help="choose K per round from the measured acceptance")
+    p.add_argument("--adaptive", action="store_true", help="with --draft model or ngram: choose per round between it (at most -k "
+                   "tokens) and no draft, from the measured acceptance and costs")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="draft the next block while the target verifies this one (default: the server's)")
     p.add_argument("--min-draft-confidence", type=float, default=0.0,

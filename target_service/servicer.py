@@ -26,6 +26,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                 sampling=sampling_from_proto(request.sampling),
                 seed=request.seed,
                 draft_dists=[(list(d.token_ids), list(d.probs)) for d in request.draft_distributions],
+                from_draft_worker=not request.drafted_without_worker,
             ),
             lambda: not context.is_active(),
             call_deadline(context),
@@ -37,6 +38,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             compute_ms=result.compute_ms,
             batch_size=result.batch_size,
             logprobs=logprobs_to_proto(result.logprobs),
+            batch_tokens=result.batch_tokens,
+            threads=result.threads,
         )
 
     @grpc_errors

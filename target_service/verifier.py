@@ -41,6 +41,7 @@ class VerifyTask:
     seed: int = 0
     # Sparse (token_ids, probs) per draft token when sampling; empty when greedy.
     draft_dists: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    from_draft_worker: bool = True  # False: n-gram tokens from the coordinator, no draft worker is busy
 
 
 @dataclass(frozen=True)
@@ -51,12 +52,14 @@ class VerifyResult:
     compute_ms: float
     batch_size: int = 1
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per committed token, when asked for
+    batch_tokens: int = 0  # tokens in the forward pass, all sessions together
+    threads: int = 0  # intra-op threads it ran on
 
 
 class CoreShare:
     """Intra-op threads per batch on a machine the target shares with a draft worker: `threads`
     while sessions draft (the draft worker runs on the other cores then), `solo` once no batch has
-    carried a draft token for `quiet_s` (plain decoding: the draft's cores are idle, and 8 plain
+    carried a draft worker's token for `quiet_s` (plain or n-gram decoding: the draft's cores are idle, and 8 plain
     decodes on 2 threads cost about 0.6 of what they cost on 1). The thread count does not change
     any result: oneDNN and SDPA split rows and heads across threads, never a sum."""
 
@@ -66,7 +69,7 @@ class CoreShare:
 
     def for_batch(self, tasks: list[VerifyTask]) -> int:
         now = self.clock()
-        if any(t.draft_ids for t in tasks):
+        if any(t.draft_ids and t.from_draft_worker for t in tasks):
             self._last_draft = now
         n = self.solo if now - self._last_draft >= self.quiet_s else self.threads
         if torch.get_num_threads() != n:
@@ -92,6 +95,7 @@ class Verifier:
         started = time.perf_counter()
         if self.cores is not None:
             metrics.TARGET_THREADS.set(self.cores.for_batch(tasks))
+        threads = torch.get_num_threads()
         results: list[VerifyResult | BaseException | None] = [None] * len(tasks)
         with ExitStack() as stack:
             leased = []
@@ -104,9 +108,10 @@ class Verifier:
             if not leased:
                 return results
             prefill = {i: len(tasks[i].committed_ids) - len(seq.token_ids) for i, seq in leased}
+            feeds = [(seq, tasks[i].committed_ids[len(seq.token_ids):] + tasks[i].draft_ids) for i, seq in leased]
+            batch_tokens = sum(len(ids) for _, ids in feeds)
             logits = self.caches.extend_batch(  # logits only where the rule reads them: the last K+1
-                [(seq, tasks[i].committed_ids[len(seq.token_ids):] + tasks[i].draft_ids) for i, seq in leased],
-                [len(tasks[i].draft_ids) + 1 for i, _ in leased])
+                feeds, [len(tasks[i].draft_ids) + 1 for i, _ in leased])
             decided = []
             for (i, seq), rows in zip(leased, logits):
                 task = tasks[i]
@@ -118,7 +123,8 @@ class Verifier:
         metrics.FORWARD_SECONDS.labels("target").observe(compute_ms / 1e3)
         metrics.VERIFY_BATCH.observe(len(leased))
         for i, num_accepted, next_token, logprobs in decided:
-            results[i] = VerifyResult(num_accepted, next_token, prefill[i], compute_ms, len(leased), logprobs)
+            results[i] = VerifyResult(num_accepted, next_token, prefill[i], compute_ms, len(leased), logprobs,
+                                      batch_tokens, threads)
         return results
 
     def _admit(self, tasks: list[VerifyTask], leased: list[tuple[int, CachedSequence]],

@@ -115,7 +115,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., session_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "wall_ms", "draft_ms", "verify_ms", "overhead_ms", "last_k", "max_verify_batch_size")
+    __slots__ = ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "wall_ms", "draft_ms", "verify_ms", "overhead_ms", "last_k", "max_verify_batch_size", "model_rounds", "ngram_rounds")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,8 @@ class SpeculationStats(_message.Message):
     OVERHEAD_MS_FIELD_NUMBER: _ClassVar[int]
     LAST_K_FIELD_NUMBER: _ClassVar[int]
     MAX_VERIFY_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     drafted: int
     accepted: int
@@ -138,7 +140,9 @@ class SpeculationStats(_message.Message):
     overhead_ms: float
     last_k: int
     max_verify_batch_size: int
-    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., wall_ms: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., last_k: _Optional[int] = ..., max_verify_batch_size: _Optional[int] = ...) -> None: ...
+    model_rounds: int
+    ngram_rounds: int
+    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., wall_ms: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., last_k: _Optional[int] = ..., max_verify_batch_size: _Optional[int] = ..., model_rounds: _Optional[int] = ..., ngram_rounds: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("session_id", "text", "token_ids", "finish_reason", "usage", "stats", "logprobs")

@@ -1,0 +1,236 @@
+"""The speculation policy: per session and per round, which draft method and how many draft tokens
+(K), for every request that does not fix them (Leviathan et al., arXiv 2211.17192, section 3.4,
+with each round's cost predicted from costs measured at the current load).
+
+A block of K tokens from a method whose tokens the target accepts with probability alpha yields
+E(alpha, K) = (1 - alpha^(K+1)) / (1 - alpha) tokens per round. The policy picks the method and K
+with the most expected tokens per millisecond of the round's predicted wall time:
+
+    none     V_solo(n) + o_v
+    n-gram   V_solo(n (1 + h K)) + o_v              h: how often this session's lookup finds a match
+    model    V_shared(n (K + 1)) + o_v + D(n) K + o_d
+             with overlap, when the bet wins (probability alpha^(K+1)): the larger of the two parts
+
+- V(t): the target's forward pass over t tokens (all sessions together), a line fitted to what the
+  target reports about every pass, one line per thread count: with --solo-threads the target uses
+  more cores while no draft worker is busy (V_solo) than while one is (V_shared).
+- D(s): the draft worker's milliseconds per proposed token with s sessions in its batch, fitted
+  the same way.
+- o_v, o_d: what a call costs beyond the model (RPC, queueing), measured.
+- n: sessions per target pass, smoothed. Every session at this load is assumed to choose what this
+  one chooses. The draft worker and the target are shared: one session's drafting slows everyone's
+  pass, which a session alone would not see (at c8 on this machine, each session would go on
+  speculating while plain decoding serves twice as many tokens).
+
+Acceptance is per session and per method. n-gram's is scored on every round for free: its lookup for
+the committed tokens is compared with what the target commits. The model draft's is learnt when it
+drafts; while something else wins, it is retried for one round every PROBE_EVERY, and only if an
+optimistic acceptance would make it the best choice at the current costs (so that under load, where
+drafting loses however good the draft is, nothing is spent on retrying it).
+
+K = 0 needs no acceptance: its cost is V_solo, which every plain pass measures.
+
+Seeded sampling stays reproducible: which positions were drafted decides which keyed draws make a
+sampled token, so a sampled request's choices must depend on nothing that timing or other sessions
+change. It uses the fixed prior costs at n = 1 and its own acceptance, which are functions of its
+tokens and seed alone.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from coordinator.loop import Round
+from coordinator.ngram import lookup
+
+MODEL = "model"
+NGRAM = "ngram"
+NONE = "none"
+MODEL_KS = range(1, 9)
+NGRAM_KS = range(1, 11)
+PROBE_EVERY = 16
+OPTIMISTIC_ALPHA = 0.7  # the model's prior acceptance, and what a retry hopes for
+NGRAM_MAX, NGRAM_MIN = 4, 2  # the n-gram proposer's match lengths
+SWITCH_MARGIN = 0.03  # keep the current method unless another is this much better (a switch drops a bet)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens committed per round for a block of K drafts accepted with probability alpha each."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class Line:
+    """y = a + b x by least squares over exponentially forgotten observations, with the slope pulled
+    towards a prior slope (which decides it while every x seen is the same); the prior line until
+    something is seen."""
+
+    def __init__(self, a: float, b: float, slope_weight: float = 1.0, forget: float = 0.97):
+        self.a, self.b, self.slope_weight, self.forget = a, b, slope_weight, forget
+        self._sums = [0.0] * 5  # sum of w, wx, wxx, wy, wxy over observations
+        self.count = 0
+
+    def observe(self, x: float, y: float) -> None:
+        s = [v * self.forget for v in self._sums]
+        self._sums = [s[0] + 1, s[1] + x, s[2] + x * x, s[3] + y, s[4] + x * y]
+        self.count += 1
+
+    def __call__(self, x: float) -> float:
+        w, wx, wxx, wy, wxy = self._sums
+        if not self.count:
+            return self.a + self.b * x
+        # minimise sum w (a + b x - y)^2 + slope_weight (b - b0)^2: with a = (wy - b wx) / w,
+        slope = (wxy - wx * wy / w + self.slope_weight * self.b) / (wxx - wx * wx / w + self.slope_weight)
+        slope = max(0.0, slope)
+        return max(0.01, (wy - slope * wx) / w + slope * x)
+
+
+@dataclass(frozen=True)
+class Prior:
+    """Costs before anything is measured, and always for sampled requests (milliseconds)."""
+
+    verify_ms: float = 20.0  # per pass
+    verify_ms_per_token: float = 1.5
+    draft_ms_per_token: float = 4.0  # one session
+    draft_ms_per_session: float = 1.0  # each more session in the draft's batch
+    verify_overhead_ms: float = 3.0
+    draft_overhead_ms: float = 2.0
+
+
+class Costs:
+    """The workers' costs as this coordinator measures them, shared by all its sessions."""
+
+    def __init__(self, prior: Prior = Prior(), learns: bool = True, smoothing: float = 0.1):
+        self.prior, self.learns, self.smoothing = prior, learns, smoothing
+        self._verify: dict[int, Line] = {}  # threads -> V
+        self._draft = Line(prior.draft_ms_per_token, prior.draft_ms_per_session)
+        self.verify_overhead_ms = prior.verify_overhead_ms
+        self.draft_overhead_ms = prior.draft_overhead_ms
+        self.batch = 1.0
+        self._lock = threading.Lock()
+
+    def observe(self, rnd: Round) -> None:
+        if not self.learns:
+            return
+        v, d, s = rnd.verdict, rnd.draft, self.smoothing
+        with self._lock:
+            if v is not None and v.batch_tokens > 0:
+                self._line(v.threads).observe(v.batch_tokens, v.compute_ms)
+                self.verify_overhead_ms += s * (max(0.0, rnd.verify_ms - v.compute_ms) - self.verify_overhead_ms)
+                self.batch += s * (v.batch_size - self.batch)
+            if d.from_worker and d.batch_size > 0 and rnd.num_drafted > 0:
+                self._draft.observe(d.batch_size, d.compute_ms / rnd.num_drafted)
+                if rnd.draft_ms > d.compute_ms:  # a proposal waited for (not a bet that was ready)
+                    self.draft_overhead_ms += s * (rnd.draft_ms - d.compute_ms - self.draft_overhead_ms)
+
+    def _line(self, threads: int) -> Line:
+        if threads not in self._verify:
+            self._verify[threads] = Line(self.prior.verify_ms, self.prior.verify_ms_per_token)
+        return self._verify[threads]
+
+    def verify_ms(self, tokens: float, solo: bool) -> float:
+        """A pass over `tokens` tokens: on the most threads the target has used (`solo`, while no draft
+        worker is busy) or the fewest, with the call's overhead."""
+        with self._lock:
+            seen = sorted(t for t, line in self._verify.items() if line.count)
+            line = self._line((seen[-1] if solo else seen[0]) if seen else 0)
+            return line(tokens) + self.verify_overhead_ms
+
+    def draft_ms(self, k: int, sessions: float) -> float:
+        with self._lock:
+            return k * self._draft(sessions) + self.draft_overhead_ms
+
+
+FIXED = Costs(learns=False)  # for sampled requests: the same every time
+
+
+class Rate:
+    """A per-position acceptance rate: successes over trials, forgetting old rounds, with a prior."""
+
+    def __init__(self, prior: float, weight: float = 2.0, forget: float = 0.9):
+        self.successes, self.trials, self.forget = prior * weight, weight, forget
+
+    def add(self, successes: int, trials: int) -> None:
+        self.successes = self.successes * self.forget + successes
+        self.trials = self.trials * self.forget + trials
+
+    @property
+    def value(self) -> float:
+        return self.successes / self.trials if self.trials > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Choice:
+    method: str  # NONE, NGRAM or MODEL
+    k: int
+    gain: float = 0.0  # expected tokens per millisecond
+
+
+class SpeculationPolicy:
+    """One session's choices. `methods`: what it may draft with (K = 0 is always a candidate)."""
+
+    def __init__(self, costs: Costs, methods: frozenset[str], overlap: bool, max_k: int | None = None):
+        self.costs, self.methods, self.overlap, self.max_k = costs, methods, overlap, max_k
+        self.alpha = {MODEL: Rate(OPTIMISTIC_ALPHA), NGRAM: Rate(0.3)}
+        self.ngram_hits = Rate(0.3)  # how often a lookup finds a match
+        self._lookup: list[int] = []
+        self._since_model = 0
+        self._method = NONE
+
+    def choose(self, committed_ids: list[int], max_k: int) -> Choice:
+        """This round's method and K, at most max_k (and the policy's own ceiling)."""
+        max_k = max_k if self.max_k is None else min(max_k, self.max_k)
+        self._lookup = lookup(committed_ids, max(NGRAM_KS), NGRAM_MAX, NGRAM_MIN) if NGRAM in self.methods else []
+        best = Choice(NONE, 0, 1.0 / self.costs.verify_ms(self.costs.batch, solo=True))
+        if max_k <= 0:
+            return best
+        options = [best]
+        if self._lookup:
+            options += [self._ngram(k) for k in NGRAM_KS if k <= min(max_k, len(self._lookup))]
+        if MODEL in self.methods:
+            alpha = self.alpha[MODEL].value
+            options += [self._model(k, alpha) for k in MODEL_KS if k <= max_k]
+        best = max(options, key=lambda c: (c.gain, -c.k))
+        current = max((c for c in options if c.method == self._method), key=lambda c: c.gain, default=None)
+        if current is not None and current.gain >= best.gain * (1 - SWITCH_MARGIN):
+            best = current
+        if MODEL in self.methods and best.method != MODEL:
+            self._since_model += 1
+            if self._since_model >= PROBE_EVERY:
+                self._since_model = 0
+                hope = max((self._model(k, OPTIMISTIC_ALPHA) for k in MODEL_KS if k <= max_k), key=lambda c: c.gain)
+                if hope.gain > best.gain:
+                    best = hope
+        if best.method == MODEL:
+            self._since_model = 0
+        self._method = best.method
+        return best
+
+    def observe(self, rnd: Round) -> None:
+        """Learn from the round just verified: the costs (shared), each method's acceptance."""
+        self.costs.observe(rnd)
+        if rnd.num_drafted and rnd.draft.from_worker:
+            self.alpha[MODEL].add(rnd.num_accepted, min(rnd.num_drafted, rnd.num_accepted + 1))
+        if NGRAM in self.methods:
+            self.ngram_hits.add(bool(self._lookup), 1)
+            if self._lookup:
+                seen = min(len(self._lookup), len(rnd.new_ids))
+                matched = next((i for i in range(seen) if self._lookup[i] != rnd.new_ids[i]), seen)
+                self.alpha[NGRAM].add(matched, min(seen, matched + 1))
+
+    def _ngram(self, k: int) -> Choice:
+        n = self.costs.batch
+        tokens = expected_tokens(self.alpha[NGRAM].value, k)
+        return Choice(NGRAM, k, tokens / self.costs.verify_ms(n * (1 + self.ngram_hits.value * k), solo=True))
+
+    def _model(self, k: int, alpha: float) -> Choice:
+        n = self.costs.batch
+        verify = self.costs.verify_ms(n * (k + 1), solo=False)
+        draft = self.costs.draft_ms(k, n)
+        ms = verify + draft
+        if self.overlap:
+            wins = alpha ** (k + 1)
+            ms = wins * max(verify, draft) + (1 - wins) * ms
+        return Choice(MODEL, k, expected_tokens(alpha, k) / ms)

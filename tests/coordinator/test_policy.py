@@ -1,0 +1,123 @@
+"""The speculation policy's choices, from costs and acceptance fed as the rounds' reports would
+(no workers, no clock: what it chooses is a function of what it was told)."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.loop import Draft, Round, Verdict
+from coordinator.policy import (
+    FIXED,
+    MODEL,
+    NGRAM,
+    NONE,
+    PROBE_EVERY,
+    Costs,
+    Line,
+    SpeculationPolicy,
+    expected_tokens,
+)
+
+BOTH = frozenset({MODEL, NGRAM})
+
+
+def a_round(new_ids: list[int], drafted: int = 0, accepted: int = 0, *, batch: int = 1, tokens: int = 1,
+            verify_ms: float = 20.0, threads: int = 1, draft_ms_per_token: float = 4.0,
+            from_worker: bool = True) -> Round:
+    draft = Draft(list(range(drafted)), [], draft_ms_per_token * drafted, batch if from_worker else 0, from_worker)
+    verdict = Verdict(accepted, new_ids[-1], verify_ms, batch, [], tokens, threads)
+    return Round(new_ids, drafted, accepted, draft.compute_ms + 2, verify_ms + 3, batch, [], draft, verdict)
+
+
+def test_expected_tokens_is_leviathans_formula():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.8, 4) == pytest.approx((1 - 0.8 ** 5) / 0.2)
+
+
+def test_line_fits_what_it_sees_and_keeps_the_prior_slope_where_it_sees_one_x():
+    line = Line(10.0, 1.0)
+    for _ in range(50):
+        for x in (1, 9, 17):
+            line.observe(x, 30 + 2 * x)
+    assert line(9) == pytest.approx(48, rel=0.02) and line(40) == pytest.approx(110, rel=0.05)
+    flat = Line(10.0, 1.0)
+    for _ in range(50):
+        flat.observe(8, 100)
+    assert flat(8) == pytest.approx(100, rel=0.02)
+    assert 1.0 <= flat(16) - flat(8) <= 12.0  # the slope comes from the prior, not from nothing
+
+
+def feed(costs: Costs, *, batch: int, verify: dict[int, tuple[float, float]], draft_ms_per_token: float,
+         ks=(0, 1, 3, 5)) -> None:
+    """Rounds at `batch` sessions per pass; verify[threads] = (a, b): a pass over t tokens costs a + b t."""
+    for _ in range(60):
+        for threads, (a, b) in verify.items():
+            for k in ks:
+                t = batch * (k + 1)
+                costs.observe(a_round([1] * (k + 1), k, k, batch=batch, tokens=t, verify_ms=a + b * t,
+                                      threads=threads, draft_ms_per_token=draft_ms_per_token))
+
+
+def trained(policy: SpeculationPolicy, accepted_of_5: int, **costs) -> SpeculationPolicy:
+    """Twenty model rounds of K = 5 with this acceptance (and these costs, as `a_round` takes them)."""
+    for _ in range(20):
+        policy.observe(a_round([1] * (accepted_of_5 + 1), 5, accepted_of_5, **costs))
+    return policy
+
+
+def test_alone_with_a_cheap_draft_that_is_right_it_speculates_with_the_model():
+    costs = Costs()
+    feed(costs, batch=1, verify={1: (20.0, 2.0), 2: (15.0, 2.0)}, draft_ms_per_token=4.0)
+    policy = trained(SpeculationPolicy(costs, frozenset({MODEL}), overlap=True), accepted_of_5=5)
+    choice = policy.choose([1, 2, 3], max_k=100)
+    assert choice.method == MODEL and choice.k >= 5
+    assert policy.choose([1, 2, 3], max_k=2).k <= 2  # the round's cap (tokens left, context) holds
+
+
+def test_under_load_it_decodes_plainly_and_spends_nothing_on_retrying_the_draft():
+    """c8 on this machine: the draft's batch costs 60 ms per token, the target's plain pass on both
+    cores 36 ms. However well the draft guesses, drafting for everyone serves fewer tokens."""
+    costs = Costs()
+    feed(costs, batch=8, verify={1: (30.0, 1.5), 2: (24.0, 1.5)}, draft_ms_per_token=60.0)
+    policy = trained(SpeculationPolicy(costs, frozenset({MODEL}), overlap=True), accepted_of_5=4, batch=8,
+                     tokens=48, verify_ms=30 + 1.5 * 48, draft_ms_per_token=60.0)
+    choices = [policy.choose(list(range(50)), max_k=100) for _ in range(4 * PROBE_EVERY)]
+    assert {c.method for c in choices} == {NONE}
+
+
+def test_a_draft_that_is_wrong_is_turned_off_and_retried_now_and_then():
+    costs = Costs()
+    feed(costs, batch=1, verify={1: (20.0, 2.0)}, draft_ms_per_token=4.0)
+    policy = trained(SpeculationPolicy(costs, frozenset({MODEL}), overlap=False), accepted_of_5=0)
+    choices = []
+    for _ in range(3 * PROBE_EVERY):
+        choice = policy.choose(list(range(50)), max_k=100)
+        choices.append(choice.method)
+        policy.observe(a_round([7], min(choice.k, 5), 0) if choice.method == MODEL else a_round([7]))
+    assert choices.count(MODEL) == 3 and choices[PROBE_EVERY - 1] == MODEL  # one round in PROBE_EVERY
+    assert trained(policy, accepted_of_5=5).choose([1], max_k=100).method == MODEL  # right again: back on
+
+
+def test_ngram_is_scored_on_every_round_and_chosen_where_the_text_repeats():
+    costs = Costs()
+    feed(costs, batch=1, verify={1: (20.0, 2.0)}, draft_ms_per_token=30.0)  # a slow draft model
+    policy = SpeculationPolicy(costs, BOTH, overlap=False)
+    text = [5, 6, 7, 8, 9, 10, 11, 12]
+    committed = [1, 2] + text + [3] + text[:2]  # "5 6" came before: the lookup proposes "7 8 9 ..."
+    for _ in range(12):  # plain rounds that commit what the lookup proposed: scored without drafting
+        assert policy.choose(committed, max_k=0).k == 0
+        policy.observe(a_round(text[2:3]))
+    assert policy.alpha[NGRAM].value > 0.8 and policy.alpha[MODEL].value == pytest.approx(0.7)
+    choice = policy.choose(committed, max_k=100)
+    assert choice.method == NGRAM and choice.k > 1
+    assert policy.choose([40, 41, 42, 43], max_k=100).method != NGRAM  # no match: nothing to propose
+
+
+def test_sampled_requests_choose_from_fixed_costs():
+    """A seed must give the same tokens at any load: the fixed costs learn nothing."""
+    before = FIXED.verify_ms(1, solo=True), FIXED.draft_ms(4, 1), FIXED.batch
+    feed(FIXED, batch=8, verify={1: (300.0, 5.0)}, draft_ms_per_token=90.0, ks=(0, 5))
+    assert (FIXED.verify_ms(1, solo=True), FIXED.draft_ms(4, 1), FIXED.batch) == before
+    choices = [SpeculationPolicy(FIXED, frozenset({MODEL}), overlap=True).choose([1, 2], 100) for _ in range(2)]
+    assert choices[0] == choices[1] and choices[0].method == MODEL  # the prior speculates alone
