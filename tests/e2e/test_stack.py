@@ -190,3 +190,103 @@ def test_describe_models(client):
     info = client.describe()
     assert info.target.vocab_size == info.draft.vocab_size == 49152
     assert info.target.backend == "transformers-paged" and info.default_num_speculative_tokens == 5
+
+
+# ---- the default policy: method and K chosen per round ---------------------------------------
+
+POLICY_PROMPTS = [[(7 * i + j) % 4000 + 30 for j in range(3 + 9 * i)] for i in range(4)] + \
+                 [[40 + i] + [5, 6, 7, 8, 9] * (2 + i) + [5, 6] for i in range(4)]  # repeating: n-gram matches
+
+
+def generate_at_once(address: str, prompts: list[list[int]], **kwargs) -> dict[int, object]:
+    """Every prompt in a session of its own, all started together (their rounds share target passes)."""
+    results: dict[int, object] = {}
+    start = threading.Barrier(len(prompts))
+
+    def run(i: int) -> None:
+        with Client(address, timeout_s=120) as c:
+            start.wait()
+            results[i] = c.generate(prompts[i], **kwargs)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+@pytest.mark.lossless
+@pytest.mark.parametrize("overlap", [True, False])
+def test_default_policy_is_lossless_under_batching(tiny_stack, hf_greedy, overlap):
+    """No method, no K: the policy chooses every round from measured costs, whatever they are."""
+    results = generate_at_once(tiny_stack.address("coordinator"), POLICY_PROMPTS, max_new_tokens=32, overlap=overlap)
+    for i, ids in enumerate(POLICY_PROMPTS):
+        assert results[i].token_ids == hf_greedy(ids, 32), i
+        stats = results[i].stats
+        assert stats["model_rounds"] + stats["ngram_rounds"] <= stats["rounds"]
+
+
+@pytest.mark.lossless
+def test_switching_method_and_k_mid_request_is_lossless(tiny_stack, hf_greedy, monkeypatch):
+    """The policy's choices forced to rotate through every method and K, round by round, so that every
+    request switches many times whatever the timing (which choice the policy makes is
+    tests/coordinator/test_policy.py's). A coordinator in this process, on the stack's workers and
+    Redis; eight sessions at once, overlap on: bets are made, won and dropped by switches."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from coordinator.__main__ import worker_pools
+    from coordinator.config import CoordinatorConfig
+    from coordinator.generation import Generation, GenerationRequest, Limits
+    from coordinator.ngram import NgramProposer
+    from coordinator.policy import MODEL, NGRAM, NONE, Choice, SpeculationPolicy
+    from coordinator.sessions import SessionStore
+    from coordinator.text import TextCodec
+    from specdec_core.models import load_tokenizer
+    from specdec_core.redis_client import connect_redis
+
+    script = [Choice(MODEL, 3), Choice(NGRAM, 4), Choice(NONE, 0), Choice(MODEL, 1), Choice(MODEL, 6),
+              Choice(NGRAM, 2), Choice(MODEL, 2)]
+
+    def scripted(self, ids: list[int], max_k: int) -> Choice:
+        self.calls = getattr(self, "calls", 0) + 1  # the first round drafts by n-gram
+        choice = script[self.calls % len(script)]
+        return Choice(choice.method, min(choice.k, max_k))
+
+    monkeypatch.setattr(SpeculationPolicy, "choose", scripted)
+    cfg = CoordinatorConfig.from_args(["--redis-url", tiny_stack.redis_url, "--target", tiny_stack.address("target"),
+                                       "--draft", tiny_stack.address("draft")])
+    routes: dict = {}
+    target, draft = worker_pools(cfg, routes)
+    info = target.model_info(60)
+    generation = Generation(SessionStore(connect_redis(tiny_stack.redis_url)),
+                            TextCodec(load_tokenizer(tiny_stack.target_model), "tiny"), draft, NgramProposer(), target,
+                            Limits(info.vocab_size, info.max_context, 64, 5, overlap=True), routes)
+    start = threading.Barrier(len(POLICY_PROMPTS))
+
+    def run(ids: list[int]):
+        start.wait()
+        chunks = list(generation.run(GenerationRequest(token_ids=ids, max_new_tokens=40, end_session=True)))
+        return [t for c in chunks for t in c.token_ids], chunks[-1].stats
+
+    with ThreadPoolExecutor(len(POLICY_PROMPTS)) as pool:
+        results = list(pool.map(run, POLICY_PROMPTS))
+    for ids, (tokens, stats) in zip(POLICY_PROMPTS, results):
+        assert tokens == hf_greedy(ids, 40)
+        assert stats.model_rounds > 0 and stats.model_rounds + stats.ngram_rounds < stats.rounds  # switched
+    assert sum(stats.ngram_rounds for _, stats in results) > 0  # the repeating prompts' lookups matched
+
+
+@pytest.mark.lossless
+def test_seeded_sampling_under_the_default_policy_is_reproducible_at_any_concurrency(tiny_stack):
+    """A sampled request's choices depend only on its tokens and seed (fixed costs, its own
+    acceptance), so the same seed gives the same tokens alone, again, and among seven others."""
+    kwargs = dict(max_new_tokens=30, temperature=0.9, top_k=50, top_p=0.95, seed=4321)  # no method, no K
+    address = tiny_stack.address("coordinator")
+    with Client(address, timeout_s=120) as c:
+        alone = [c.generate(ids, **kwargs) for ids in POLICY_PROMPTS[:2]]
+        again = [c.generate(ids, **kwargs) for ids in POLICY_PROMPTS[:2]]
+    crowded = generate_at_once(address, [POLICY_PROMPTS[i % 2] for i in range(8)], **kwargs)
+    for i in range(8):
+        assert crowded[i].token_ids == alone[i % 2].token_ids == again[i % 2].token_ids, i
+    assert all(r.stats["drafted"] > 0 for r in alone)  # the policy speculated
