@@ -9,10 +9,12 @@ from pathlib import Path
 
 from measure import config_stats
 
-SPECULATIVE = ("model_k5_overlap", "model_k5_no_overlap", "model_adaptive", "ngram_k10")
+FIXED = ("target_k0", *(f"model_k{k}_{o}" for k in (3, 5, 8) for o in ("overlap", "no_overlap")), "ngram_k10")
+DEFAULT = "default"  # what a request gets unless it asks otherwise: the policy chooses method and K per round
+SPECULATIVE = (DEFAULT, *FIXED[1:])
 HF = ("hf_greedy", "hf_prompt_lookup")
-DEFAULT = "model_k5_overlap"  # what a request gets from the local stack unless it asks otherwise
 VLLM = "vllm_plain"
+MIXED_CHAT = 4  # chat sessions decoding in the mixed-load scenario
 NOTES = [
     "Greedy; one stack serves every specdec configuration (per-request K / overlap / draft method / adaptive).",
     "c1 rows: every prompt through every configuration in turn (order rotated per prompt); aggregate tokens/s = "
@@ -21,8 +23,12 @@ NOTES = [
     "assisted generation, so serving N requests is N sequential calls and their aggregate at any c equals c1's.",
     "llama_cpp_prompt_lookup runs the Q4_1 GGUF (quantized, not the fp32 target): different output, reference only.",
     "Under overlap the draft ms per round is only the draft time left on the critical path.",
-    "model_adaptive: K chosen per round by Leviathan's formula from measured alpha and cost, at most 8; its "
-    "Leviathan column uses the mean K it drafted.",
+    "default: the speculation policy (coordinator/policy.py) chooses the method (draft model, n-gram, none) and K "
+    "every round; its Leviathan column uses the mean K it drafted and the acceptance of all its drafts.",
+    "roofline tok/s = c x tokens per round / max(draft ms, verify ms) per round, from the row's own measurements "
+    "(the draft ms as the coordinator sees it: under overlap only what was not hidden).",
+    "mixed load: the chat sessions decode with the default policy alone, then again while the longest "
+    "input-grounded prompts arrive (1 s and 2.5 s after the start); ITL is the chat sessions' only.",
     "Peak RSS (VmHWM, MB, reset per configuration): d draft, t target, c coordinator, r redis; bench = the benchmark "
     "process, which holds the transformers model and the llama.cpp reference at once. CPU memory only: GPU memory "
     "is not measured.",
@@ -45,6 +51,10 @@ def build(rows: list[dict], meta: dict) -> dict:
         same = [reference[(r["prompt_set"], q.prompt_index)] == q.token_ids for q in r["requests"]
                 if (r["prompt_set"], q.prompt_index) in reference]
         r["stats"]["identical_to_target_k0"] = sum(same) / len(same) if same else None
+        per = (r["stats"]["speculation"] or {}).get("ms_per_round")
+        slowest = per and max(per["draft"], per["verify"])
+        r["stats"]["roofline_tokens_per_s"] = (r["concurrency"] * r["stats"]["speculation"]["mean_accepted_length"]
+                                               * 1e3 / slowest) if slowest else None
     for r in rows:
         base = find(rows, r["layout"], r["prompt_set"], "target_k0", r["concurrency"])
         r["stats"]["vs_target_k0"] = ratio(r["stats"]["tokens_per_s"], base and base["tokens_per_s"])
@@ -120,13 +130,42 @@ def summarize(rows: list[dict], meta: dict | None = None) -> tuple[dict, dict]:
         "overhead_ms_per_round": overhead_per_round(rows),
         "overlap_pinned_vs_no_overlap": ratio(tps(rows, "pinned", "chat", "model_k5_overlap", 1),
                                               tps(rows, "pinned", "chat", "model_k5_no_overlap", 1)),
-        "model_adaptive_c1_vs_target": chat_c1_vs_target("model_adaptive"),
+        **policy_summary(rows, sets, top),
         "k0_c8_step_cost_ratio": step_cost_ratio(rows, top),
         "c8_chat_vs_vllm_plain": ratio(tps(rows, "main", "chat", DEFAULT, top), tps(rows, "main", "chat", VLLM, top)),
         "c1_chat_vs_vllm_plain": ratio(tps(rows, "main", "chat", DEFAULT, 1), tps(rows, "main", "chat", VLLM, 1)),
         **memory,
     }
     return summary, summary_notes(top, best, hf_chosen, sets, at_top)
+
+
+def policy_summary(rows: list[dict], sets: list[str], top: int) -> dict:
+    """The default policy against the best fixed configuration and K = 0 on every prompt set and
+    level, the best configuration's share of its roofline at c8 on chat, and the mixed load."""
+    vs_best, vs_k0 = {}, {}
+    for prompt_set in sets:
+        for c in sorted({r["concurrency"] for r in rows if r["layout"] == "main"}):
+            policy = tps(rows, "main", prompt_set, DEFAULT, c)
+            fixed = [t for t in (tps(rows, "main", prompt_set, f, c) for f in FIXED) if t]
+            if policy and fixed:
+                vs_best[f"{prompt_set}_c{c}"] = policy / max(fixed)
+                vs_k0[f"{prompt_set}_c{c}"] = ratio(policy, tps(rows, "main", prompt_set, "target_k0", c))
+    chat_top = [r for r in rows if (r["layout"], r["prompt_set"], r["concurrency"]) == ("main", "chat", top)
+                and r["config"] in (DEFAULT, *FIXED)]
+    best = max(chat_top, key=lambda r: r["stats"]["tokens_per_s"] or 0, default=None)
+    alone = find(rows, "mixed", "chat", "mixed_chat_alone", MIXED_CHAT)
+    crowded = find(rows, "mixed", "chat", "mixed_chat_with_long", MIXED_CHAT)
+    return {
+        "policy_vs_best_fixed_min": min(vs_best.values(), default=None),
+        "policy_vs_k0_min": min((v for v in vs_k0.values() if v), default=None),
+        "c8_chat_roofline_fraction": best and ratio(best["stats"]["tokens_per_s"],
+                                                    best["stats"]["roofline_tokens_per_s"]),
+        "policy_c1_chat_vs_k0": ratio(tps(rows, "main", "chat", DEFAULT, 1), tps(rows, "main", "chat", "target_k0", 1)),
+        "mixed_itl_p99_ratio": ratio(crowded and crowded["itl_ms"]["p99"], alone and alone["itl_ms"]["p99"]),
+        "_policy_vs_best_fixed": vs_best,
+        "_policy_vs_k0": vs_k0,
+        "_c8_chat_best_config": best and best["config"],
+    }
 
 
 def step_cost_ratio(rows: list[dict], top: int) -> float | None:
@@ -184,7 +223,15 @@ def summary_notes(top: int, best: str | None, hf_chosen: dict, sets: list[str], 
                                  "per round as the coordinator measures it (network + Redis + coordinator)",
         "overlap_pinned_vs_no_overlap": "pinned layout (draft core 0 / 1 thread, target core 1 / 1 thread), chat "
                                         "set, c1: model draft K=5 overlap on / overlap off",
-        "model_adaptive_c1_vs_target": "chat set, c1: model draft, adaptive K (at most 8), overlap off / target_k0",
+        "policy_vs_best_fixed_min": "the default policy's aggregate tokens/s / the best fixed configuration's (K=0; "
+                                    "model draft K=3, 5, 8 with and without overlap; ngram_k10), the minimum over "
+                                    "prompt sets and concurrency levels (each in _policy_vs_best_fixed)",
+        "policy_vs_k0_min": "the default policy / target_k0, the minimum over prompt sets and levels",
+        "c8_chat_roofline_fraction": f"chat set, c{top}: the fastest configuration's tokens/s / its roofline "
+                                     "(c x tokens per round / max(draft, verify) ms per round, its own measurements)",
+        "policy_c1_chat_vs_k0": "chat set, c1: the default policy / target_k0",
+        "mixed_itl_p99_ratio": f"ITL p99 of {MIXED_CHAT} chat sessions (default policy) while the "
+                               "longest input-grounded prompts arrive / without them",
         "target_peak_rss_c8_mb": f"the target worker's peak RSS (VmHWM) at c{top}, the configuration closest to "
                                  "its bound",
         "target_rss_bound_c8_mb": "that configuration's bound: target weights (fp32 safetensors) + KV of its "

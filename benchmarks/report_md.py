@@ -8,7 +8,7 @@ SUMMARY_FORMAT = {"overhead_ms_per_round": "{:.1f} ms", "target_peak_rss_c8_mb":
 QUICK = ["**--quick run: a harness check (2 prompts per set, 32 new tokens), not a measurement.**", ""]
 COLUMNS = ("configuration", "c", "tok/s aggregate", "tok/s per request", "vs target_k0", "TTFT p50 / p99 ms",
            "ITL p50 / p99 ms", "acceptance", "tokens per pass: measured / Leviathan",
-           "ms per round: draft / verify / overhead", "identical to target_k0", "peak RSS MB")
+           "ms per round: draft / verify / overhead", "roofline tok/s", "identical to target_k0", "peak RSS MB")
 
 
 def markdown(result: dict) -> str:
@@ -31,14 +31,20 @@ def markdown(result: dict) -> str:
         "|---|---|---|",
     ]
     for key, value in result["summary"].items():
-        shown = "n/a" if value is None else SUMMARY_FORMAT.get(key, "{:.2f}x").format(value)
+        if isinstance(value, dict):  # a breakdown of the key above it
+            shown = ", ".join(f"{k} {'n/a' if v is None else f'{v:.2f}x'}" for k, v in value.items())
+        elif isinstance(value, str):
+            shown = value
+        else:
+            shown = "n/a" if value is None else SUMMARY_FORMAT.get(key, "{:.2f}x").format(value)
         lines.append(f"| {key} | {shown} | {result['summary_notes'].get(key, '')} |")
     groups = {}
     for r in result["results"]:
         groups.setdefault((r["layout"], r["prompt_set"]), []).append(r)
     for (layout, prompt_set), rows in groups.items():
-        n = max(r["stats"]["num_requests"] for r in rows if r["concurrency"] == 1)
-        lines += ["", f"## {prompt_set} prompts{' (pinned layout)' if layout == 'pinned' else ''}, {n} per run", ""]
+        n = max(r["stats"]["num_requests"] for r in rows if r["concurrency"] == min(q["concurrency"] for q in rows))
+        where = {"pinned": " (pinned layout)", "mixed": " (mixed load)"}.get(layout, "")
+        lines += ["", f"## {prompt_set} prompts{where}, {n} per run", ""]
         lines += table(sorted(rows, key=lambda r: r["concurrency"]))
     lines += ["", "## Notes", ""] + [f"- {note}" for note in meta["notes"]]
     return "\n".join(lines) + "\n"
@@ -49,7 +55,7 @@ def table(rows: list[dict]) -> list[str]:
     for r in rows:
         s, spec = r["stats"], r["stats"]["speculation"] or {}
         per = spec.get("ms_per_round")
-        lev = spec.get("leviathan_at_mean_k" if r["config"] == "model_adaptive" else "leviathan_expected_length")
+        lev = spec.get("leviathan_at_mean_k" if r["k"] is None else "leviathan_expected_length")
         passes = f"{_f(spec.get('mean_accepted_length'), 2)} / {_f(lev, 2)}"
         cells = [
             r["config"], r["concurrency"], _f(s["tokens_per_s"], 1), _f(s["tokens_per_s_per_request"], 1),
@@ -57,6 +63,7 @@ def table(rows: list[dict]) -> list[str]:
             _f(spec.get("acceptance_rate"), 3),
             passes if spec.get("acceptance_rate") is not None else "-",
             " / ".join(_f(per[k], 1) for k in ("draft", "verify", "overhead")) if per else "-",
+            _f(s.get("roofline_tokens_per_s"), 1),
             _f(s["identical_to_target_k0"] and 100 * s["identical_to_target_k0"], 0, "%"),
             _memory(r["memory_mb"]),
         ]

@@ -39,15 +39,15 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 import report  # noqa: E402
 import stacks  # noqa: E402
 from baselines import HFBaseline, LlamaPromptLookup  # noqa: E402
-from measure import MemoryProbe, Progress, Request, machine, max_memory  # noqa: E402
+from measure import MemoryProbe, Progress, Request, machine, max_memory, percentiles  # noqa: E402
 from prompts import GROUNDED_SET, SETS, take  # noqa: E402
 from specdec import Client  # noqa: E402
 
-SPECDEC = {  # per-request options; "k" is also the K of Leviathan's prediction (the ceiling when adaptive)
+SPECDEC = {  # per-request options; "k" is also the K of Leviathan's prediction
     "target_k0": {"draft": "none", "k": 0},
-    "model_k5_overlap": {"draft": "model", "k": 5, "overlap": True},
-    "model_k5_no_overlap": {"draft": "model", "k": 5, "overlap": False},
-    "model_adaptive": {"draft": "model", "k": 8, "adaptive": True, "overlap": False},
+    "default": {"draft": "default", "k": None},  # the policy: method and K chosen per round (overlap: the stack's)
+    **{f"model_k{k}_{'overlap' if o else 'no_overlap'}": {"draft": "model", "k": k, "overlap": o}
+       for k in (3, 5, 8) for o in (True, False)},
     "ngram_k10": {"draft": "ngram", "k": 10},
 }
 BASELINES = {"hf_greedy": None, "hf_prompt_lookup": GROUNDED_SET, "llama_cpp_prompt_lookup": GROUNDED_SET}
@@ -57,6 +57,8 @@ VLLM_SETS = ("chat", GROUNDED_SET)
 PINNED = ("model_k5_overlap", "model_k5_no_overlap")
 PINNED_NAME = "overlap_pinned"
 WARMUP = [{"role": "user", "content": "Say hello."}]
+MIXED_LONG = 2  # long prompts arriving in the mixed-load scenario
+LONG_INDEX = 1000  # their prompt indexes start here (the chat sessions' at 0)
 
 
 @dataclass
@@ -228,6 +230,35 @@ def concurrent(prompt_set: str, prompts: list[list[dict]], plan: Plan, stack, pr
     return rows
 
 
+def mixed_load(plan: Plan, stack, progress: Progress) -> list[dict]:
+    """Chat sessions decoding with the default policy, alone and then while the longest
+    input-grounded prompts arrive (the first 1 s after the start, the next 1.5 s later): does a long
+    prefill stall the sessions that are decoding? Rows of the chat sessions only (layout "mixed")."""
+    chat = [(i, (m, 0.0)) for i, m in enumerate(take("chat", report.MIXED_CHAT))]
+    grounded = sorted(enumerate(take(GROUNDED_SET, None)), key=lambda p: -sum(len(m["content"]) for m in p[1]))
+    long = [(LONG_INDEX + i, (m, 1.0 + 1.5 * j)) for j, (i, m) in enumerate(grounded[:MIXED_LONG])]
+    options = {**SPECDEC["default"], "max_new_tokens": plan.max_new_tokens}
+    rows = []
+    for name, jobs in (("mixed_chat_alone", chat), ("mixed_chat_with_long", chat + long)):
+        clients = [Client(stack.address("coordinator"), timeout_s=stacks.CLIENT_TIMEOUT_S) for _ in jobs]
+
+        def send(t: int, index: int, job: tuple[list[dict], float], clients=clients) -> Request:
+            messages, delay = job
+            time.sleep(delay)
+            return stacks.specdec_request(clients[t], index, messages, options)
+
+        try:
+            requests, wall = stacks.run_concurrently(jobs, len(jobs), send, lambda request, started: None)
+        finally:
+            for client in clients:
+                client.close()
+        chat_requests = [q for q in requests if q.prompt_index < LONG_INDEX]
+        rows.append(row("mixed", "chat", name, report.MIXED_CHAT, None, chat_requests, wall, {}))
+        itl = [x for q in chat_requests for x in q.itl_ms()]
+        progress(f"[mixed] {name}: chat ITL p50/p99 {percentiles(itl)}")
+    return rows
+
+
 def bench_main(plan: Plan, progress: Progress, log_dir: Path, save: Callable[[list[dict]], None]) -> list[dict]:
     rows = []
     with running(stacks.main_stack(log_dir / "main", plan.device), progress) as stack, \
@@ -239,6 +270,9 @@ def bench_main(plan: Plan, progress: Progress, log_dir: Path, save: Callable[[li
             rows += sequential("main", prompt_set, prompts, runners, plan.max_new_tokens, progress)
             rows += concurrent(prompt_set, prompts, plan, stack, progress)
             save(rows)  # a partial report after every prompt set: a late failure loses nothing before it
+        if "chat" in plan.sets and GROUNDED_SET in plan.sets and max(plan.levels) > 1:
+            rows += mixed_load(plan, stack, progress)
+            save(rows)
     return rows
 
 
