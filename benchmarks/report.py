@@ -110,7 +110,7 @@ def hf_serving(rows: list[dict], sets: list[str]) -> tuple[float | None, dict]:
 
 
 def summarize(rows: list[dict], meta: dict | None = None) -> tuple[dict, dict]:
-    top = max((r["concurrency"] for r in rows), default=1)
+    top = max((r["concurrency"] for r in rows if r["layout"] == "main"), default=1)
     sets = sorted({r["prompt_set"] for r in rows if r["layout"] == "main"})
     at_top = {c: pooled(rows, c, top, sets) for c in SPECULATIVE} if top > 1 else {}
     best = max((c for c in at_top if at_top[c]), key=at_top.get, default=None)

@@ -42,6 +42,7 @@ class Draft:
     dists: list[SparseDist] = field(default_factory=list)  # empty when greedy
     compute_ms: float = 0.0  # the draft worker's whole batch
     batch_size: int = 0  # sessions in that batch
+    prefill_tokens: int = 0  # tokens the draft worker had to (re)compute before drafting
     from_worker: bool = True  # False: proposed in the coordinator (n-gram), no draft worker was busy
 
 

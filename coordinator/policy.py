@@ -22,7 +22,8 @@ with the most expected tokens per millisecond of the round's predicted wall time
   pass, which a session alone would not see (at c8 on this machine, each session would go on
   speculating while plain decoding serves twice as many tokens).
 
-Acceptance is per session and per method. n-gram's is scored on every round for free: its lookup for
+Acceptance is per session and per method, starting from what this coordinator's sessions have seen
+lately (a new request does not relearn that the draft loses here). n-gram's is scored on every round for free: its lookup for
 the committed tokens is compared with what the target commits. The model draft's is learnt when it
 drafts; while something else wins, it is retried for one round every PROBE_EVERY, and only if an
 optimistic acceptance would make it the best choice at the current costs (so that under load, where
@@ -53,6 +54,7 @@ PROBE_EVERY = 16
 OPTIMISTIC_ALPHA = 0.7  # the model's prior acceptance, and what a retry hopes for
 NGRAM_MAX, NGRAM_MIN = 4, 2  # the n-gram proposer's match lengths
 SWITCH_MARGIN = 0.03  # keep the current method unless another is this much better (a switch drops a bet)
+DECODE_TOKENS = 40  # per session: a pass or draft with more is a prefill, which says nothing of a round's cost
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -87,6 +89,21 @@ class Line:
         return max(0.01, (wy - slope * wx) / w + slope * x)
 
 
+class Rate:
+    """A per-position acceptance rate: successes over trials, forgetting old rounds, with a prior."""
+
+    def __init__(self, prior: float, weight: float = 2.0, forget: float = 0.9):
+        self.successes, self.trials, self.forget = prior * weight, weight, forget
+
+    def add(self, successes: int, trials: int) -> None:
+        self.successes = self.successes * self.forget + successes
+        self.trials = self.trials * self.forget + trials
+
+    @property
+    def value(self) -> float:
+        return self.successes / self.trials if self.trials > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class Prior:
     """Costs before anything is measured, and always for sampled requests (milliseconds)."""
@@ -109,6 +126,8 @@ class Costs:
         self.verify_overhead_ms = prior.verify_overhead_ms
         self.draft_overhead_ms = prior.draft_overhead_ms
         self.batch = 1.0
+        # each method's acceptance over every session here: where a new session starts from
+        self.acceptance = {MODEL: Rate(OPTIMISTIC_ALPHA, forget=0.98), NGRAM: Rate(0.3, forget=0.98)}
         self._lock = threading.Lock()
 
     def observe(self, rnd: Round) -> None:
@@ -116,14 +135,23 @@ class Costs:
             return
         v, d, s = rnd.verdict, rnd.draft, self.smoothing
         with self._lock:
-            if v is not None and v.batch_tokens > 0:
+            if v is not None and 0 < v.batch_tokens <= DECODE_TOKENS * v.batch_size:
                 self._line(v.threads).observe(v.batch_tokens, v.compute_ms)
                 self.verify_overhead_ms += s * (max(0.0, rnd.verify_ms - v.compute_ms) - self.verify_overhead_ms)
                 self.batch += s * (v.batch_size - self.batch)
-            if d.from_worker and d.batch_size > 0 and rnd.num_drafted > 0:
+            if d.from_worker and d.batch_size > 0 and rnd.num_drafted > 0 and d.prefill_tokens <= DECODE_TOKENS:
                 self._draft.observe(d.batch_size, d.compute_ms / rnd.num_drafted)
                 if rnd.draft_ms > d.compute_ms:  # a proposal waited for (not a bet that was ready)
                     self.draft_overhead_ms += s * (rnd.draft_ms - d.compute_ms - self.draft_overhead_ms)
+
+    def observe_acceptance(self, method: str, successes: int, trials: int) -> None:
+        if self.learns and trials:
+            with self._lock:
+                self.acceptance[method].add(successes, trials)
+
+    def prior_acceptance(self, method: str) -> float:
+        with self._lock:
+            return self.acceptance[method].value
 
     def _line(self, threads: int) -> Line:
         if threads not in self._verify:
@@ -146,21 +174,6 @@ class Costs:
 FIXED = Costs(learns=False)  # for sampled requests: the same every time
 
 
-class Rate:
-    """A per-position acceptance rate: successes over trials, forgetting old rounds, with a prior."""
-
-    def __init__(self, prior: float, weight: float = 2.0, forget: float = 0.9):
-        self.successes, self.trials, self.forget = prior * weight, weight, forget
-
-    def add(self, successes: int, trials: int) -> None:
-        self.successes = self.successes * self.forget + successes
-        self.trials = self.trials * self.forget + trials
-
-    @property
-    def value(self) -> float:
-        return self.successes / self.trials if self.trials > 0 else 0.0
-
-
 @dataclass(frozen=True)
 class Choice:
     method: str  # NONE, NGRAM or MODEL
@@ -173,7 +186,7 @@ class SpeculationPolicy:
 
     def __init__(self, costs: Costs, methods: frozenset[str], overlap: bool, max_k: int | None = None):
         self.costs, self.methods, self.overlap, self.max_k = costs, methods, overlap, max_k
-        self.alpha = {MODEL: Rate(OPTIMISTIC_ALPHA), NGRAM: Rate(0.3)}
+        self.alpha = {m: Rate(costs.prior_acceptance(m)) for m in (MODEL, NGRAM)}
         self.ngram_hits = Rate(0.3)  # how often a lookup finds a match
         self._lookup: list[int] = []
         self._since_model = 0
@@ -212,13 +225,17 @@ class SpeculationPolicy:
         """Learn from the round just verified: the costs (shared), each method's acceptance."""
         self.costs.observe(rnd)
         if rnd.num_drafted and rnd.draft.from_worker:
-            self.alpha[MODEL].add(rnd.num_accepted, min(rnd.num_drafted, rnd.num_accepted + 1))
+            self._accept(MODEL, rnd.num_accepted, min(rnd.num_drafted, rnd.num_accepted + 1))
         if NGRAM in self.methods:
             self.ngram_hits.add(bool(self._lookup), 1)
             if self._lookup:
                 seen = min(len(self._lookup), len(rnd.new_ids))
                 matched = next((i for i in range(seen) if self._lookup[i] != rnd.new_ids[i]), seen)
-                self.alpha[NGRAM].add(matched, min(seen, matched + 1))
+                self._accept(NGRAM, matched, min(seen, matched + 1))
+
+    def _accept(self, method: str, successes: int, trials: int) -> None:
+        self.alpha[method].add(successes, trials)
+        self.costs.observe_acceptance(method, successes, trials)
 
     def _ngram(self, k: int) -> Choice:
         n = self.costs.batch

@@ -154,7 +154,8 @@ class DraftClient(WorkerClient):
             sampling=sampling_to_proto(sampling), seed=seed, min_confidence=min_confidence,
         ))
         dists = [(list(d.token_ids), list(d.probs)) for d in response.distributions]
-        return Draft(list(response.token_ids), dists, response.compute_ms, response.batch_size)
+        return Draft(list(response.token_ids), dists, response.compute_ms, response.batch_size,
+                     response.prefill_tokens)
 
     def release(self, session_id: str) -> None:
         self.call(self.stub.ReleaseDraftCache, draft_pb2.ReleaseDraftCacheRequest(session_id=session_id))

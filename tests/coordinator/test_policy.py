@@ -121,3 +121,13 @@ def test_sampled_requests_choose_from_fixed_costs():
     assert (FIXED.verify_ms(1, solo=True), FIXED.draft_ms(4, 1), FIXED.batch) == before
     choices = [SpeculationPolicy(FIXED, frozenset({MODEL}), overlap=True).choose([1, 2], 100) for _ in range(2)]
     assert choices[0] == choices[1] and choices[0].method == MODEL  # the prior speculates alone
+
+
+def test_a_new_session_starts_from_what_the_sessions_before_it_learnt():
+    costs = Costs()
+    feed(costs, batch=1, verify={1: (20.0, 2.0)}, draft_ms_per_token=4.0)
+    first = SpeculationPolicy(costs, frozenset({MODEL}), overlap=False)
+    for _ in range(40):
+        first.observe(a_round([7], 5, 0))  # the draft is always wrong here
+    assert SpeculationPolicy(costs, frozenset({MODEL}), overlap=False).choose([1, 2], 100).method == NONE
+    assert FIXED.prior_acceptance(MODEL) == pytest.approx(0.7)  # sampled requests: always the same start
