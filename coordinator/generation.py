@@ -164,7 +164,8 @@ class Generation:
                         session = self.store.load(session.session_id, tenant)
                 self.routes[session.session_id] = session.routes  # routed workers update it in place
                 try:
-                    yield from self._run(req, session, record, is_cancelled)
+                    with self.costs.running():
+                        yield from self._run(req, session, record, is_cancelled)
                 except (Cancelled, GeneratorExit):  # the client has gone: nobody will continue a one-shot session
                     if req.end_session:
                         self.end(session)

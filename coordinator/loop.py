@@ -43,6 +43,7 @@ class Draft:
     compute_ms: float = 0.0  # the draft worker's whole batch
     batch_size: int = 0  # sessions in that batch
     prefill_tokens: int = 0  # tokens the draft worker had to (re)compute before drafting
+    proposed: int = 0  # tokens the worker drafted in that call (a bet's block is a part of them)
     from_worker: bool = True  # False: proposed in the coordinator (n-gram), no draft worker was busy
 
 

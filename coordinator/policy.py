@@ -14,10 +14,12 @@ with the most expected tokens per millisecond of the round's predicted wall time
 - V(t): the target's forward pass over t tokens (all sessions together), a line fitted to what the
   target reports about every pass, one line per thread count: with --solo-threads the target uses
   more cores while no draft worker is busy (V_solo) than while one is (V_shared).
-- D(s): the draft worker's milliseconds per proposed token with s sessions in its batch, fitted
-  the same way.
+- D(s): the draft worker's milliseconds per proposed token with s sessions in its batch, a power
+  law fitted the same way in log space (a prior of linear growth, as on a CPU; data from several
+  batch sizes decide the exponent, near 0 on a GPU).
 - o_v, o_d: what a call costs beyond the model (RPC, queueing), measured.
-- n: sessions per target pass, smoothed. Every session at this load is assumed to choose what this
+- n: sessions per target pass (smoothed), or the requests running in this coordinator now if more
+  (a burst is known before its passes are measured). Every session at this load is assumed to choose what this
   one chooses. The draft worker and the target are shared: one session's drafting slows everyone's
   pass, which a session alone would not see (at c8 on this machine, each session would go on
   speculating while plain decoding serves twice as many tokens).
@@ -39,7 +41,10 @@ tokens and seed alone.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from coordinator.loop import Round
@@ -89,6 +94,22 @@ class Line:
         return max(0.01, (wy - slope * wx) / w + slope * x)
 
 
+class PowerLaw(Line):
+    """y = a x^b, a Line through (log x, log y): a cost that grows with the sessions of a batch,
+    linearly (b = 1) where compute bounds it, hardly at all (b near 0) where memory does."""
+
+    def observe(self, x: float, y: float) -> None:
+        super().observe(math.log(x), math.log(max(y, 1e-3)))
+
+    def __call__(self, x: float) -> float:
+        if not self.count:
+            return self.a * x ** self.b
+        w, wx, wxx, wy, wxy = self._sums
+        lx = math.log(x)
+        slope = (wxy - wx * wy / w + self.slope_weight * self.b) / (wxx - wx * wx / w + self.slope_weight)
+        return math.exp((wy - slope * wx) / w + slope * lx)
+
+
 class Rate:
     """A per-position acceptance rate: successes over trials, forgetting old rounds, with a prior."""
 
@@ -111,7 +132,7 @@ class Prior:
     verify_ms: float = 20.0  # per pass
     verify_ms_per_token: float = 1.5
     draft_ms_per_token: float = 4.0  # one session
-    draft_ms_per_session: float = 1.0  # each more session in the draft's batch
+    draft_growth: float = 1.0  # per token with s sessions: draft_ms_per_token * s^draft_growth (CPU: linear)
     verify_overhead_ms: float = 3.0
     draft_overhead_ms: float = 2.0
 
@@ -122,10 +143,11 @@ class Costs:
     def __init__(self, prior: Prior = Prior(), learns: bool = True, smoothing: float = 0.1):
         self.prior, self.learns, self.smoothing = prior, learns, smoothing
         self._verify: dict[int, Line] = {}  # threads -> V
-        self._draft = Line(prior.draft_ms_per_token, prior.draft_ms_per_session)
+        self._draft = PowerLaw(prior.draft_ms_per_token, prior.draft_growth)
         self.verify_overhead_ms = prior.verify_overhead_ms
         self.draft_overhead_ms = prior.draft_overhead_ms
         self.batch = 1.0
+        self.active = 0  # requests running now (the coordinator keeps it)
         # each method's acceptance over every session here: where a new session starts from
         self.acceptance = {MODEL: Rate(OPTIMISTIC_ALPHA, forget=0.98), NGRAM: Rate(0.3, forget=0.98)}
         self._lock = threading.Lock()
@@ -140,9 +162,25 @@ class Costs:
                 self.verify_overhead_ms += s * (max(0.0, rnd.verify_ms - v.compute_ms) - self.verify_overhead_ms)
                 self.batch += s * (v.batch_size - self.batch)
             if d.from_worker and d.batch_size > 0 and rnd.num_drafted > 0 and d.prefill_tokens <= DECODE_TOKENS:
-                self._draft.observe(d.batch_size, d.compute_ms / rnd.num_drafted)
+                self._draft.observe(d.batch_size, d.compute_ms / max(d.proposed, rnd.num_drafted))
                 if rnd.draft_ms > d.compute_ms:  # a proposal waited for (not a bet that was ready)
                     self.draft_overhead_ms += s * (rnd.draft_ms - d.compute_ms - self.draft_overhead_ms)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Count a request as running while it is inside."""
+        with self._lock:
+            self.active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.active -= 1
+
+    @property
+    def load(self) -> float:
+        """Sessions per pass to plan for."""
+        return max(self.batch, self.active) if self.learns else 1.0
 
     def observe_acceptance(self, method: str, successes: int, trials: int) -> None:
         if self.learns and trials:
@@ -196,7 +234,7 @@ class SpeculationPolicy:
         """This round's method and K, at most max_k (and the policy's own ceiling)."""
         max_k = max_k if self.max_k is None else min(max_k, self.max_k)
         self._lookup = lookup(committed_ids, max(NGRAM_KS), NGRAM_MAX, NGRAM_MIN) if NGRAM in self.methods else []
-        best = Choice(NONE, 0, 1.0 / self.costs.verify_ms(self.costs.batch, solo=True))
+        best = Choice(NONE, 0, 1.0 / self.costs.verify_ms(self.costs.load, solo=True))
         if max_k <= 0:
             return best
         options = [best]
@@ -238,12 +276,12 @@ class SpeculationPolicy:
         self.costs.observe_acceptance(method, successes, trials)
 
     def _ngram(self, k: int) -> Choice:
-        n = self.costs.batch
+        n = self.costs.load
         tokens = expected_tokens(self.alpha[NGRAM].value, k)
         return Choice(NGRAM, k, tokens / self.costs.verify_ms(n * (1 + self.ngram_hits.value * k), solo=True))
 
     def _model(self, k: int, alpha: float) -> Choice:
-        n = self.costs.batch
+        n = self.costs.load
         verify = self.costs.verify_ms(n * (k + 1), solo=False)
         draft = self.costs.draft_ms(k, n)
         ms = verify + draft

@@ -155,7 +155,7 @@ class DraftClient(WorkerClient):
         ))
         dists = [(list(d.token_ids), list(d.probs)) for d in response.distributions]
         return Draft(list(response.token_ids), dists, response.compute_ms, response.batch_size,
-                     response.prefill_tokens)
+                     response.prefill_tokens, len(response.token_ids))
 
     def release(self, session_id: str) -> None:
         self.call(self.stub.ReleaseDraftCache, draft_pb2.ReleaseDraftCacheRequest(session_id=session_id))
