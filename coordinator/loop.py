@@ -42,8 +42,9 @@ class Draft:
     dists: list[SparseDist] = field(default_factory=list)  # empty when greedy
     compute_ms: float = 0.0  # the draft worker's whole batch
     batch_size: int = 0  # sessions in that batch
-    prefill_tokens: int = 0  # tokens the draft worker had to (re)compute before drafting
+    batch_prefill_tokens: int = 0  # tokens the draft worker's batch had to (re)compute before drafting
     proposed: int = 0  # tokens the worker drafted in that call (a bet's block is a part of them)
+    worker_busy: bool = False  # none yet: the draft worker is still on this session's proposal
     from_worker: bool = True  # False: proposed in the coordinator (n-gram), no draft worker was busy
 
 
@@ -56,6 +57,7 @@ class Verdict:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per committed token, when asked for
     batch_tokens: int = 0  # tokens in the target's forward pass, all sessions together
     threads: int = 0  # the target's intra-op threads for it
+    batch_prefill_tokens: int = 0  # of batch_tokens, committed tokens the target's caches did not hold
 
 
 class Proposer(Protocol):
@@ -72,6 +74,7 @@ class Verifier(Protocol):
 
 
 NO_DRAFT = Draft([])
+WARMING_UP = Draft([], worker_busy=True)
 
 
 @dataclass(frozen=True)
@@ -187,9 +190,9 @@ class Speculator:
             token = CancelToken()
             self._warmup = (self._submit(token, committed_ids, k + 1),
                             len(committed_ids), committed_ids[-8:])
-            return NO_DRAFT
+            return WARMING_UP
         if self._warmup is not None and not self._warmup[0].done():
-            return NO_DRAFT
+            return WARMING_UP
         return None
 
     def _take_prefetched(self, committed_ids: list[int], k: int) -> Draft | None:

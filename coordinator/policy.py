@@ -42,6 +42,7 @@ tokens and seed alone.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 from collections.abc import Iterator
@@ -58,8 +59,10 @@ NGRAM_KS = range(1, 11)
 PROBE_EVERY = 16
 OPTIMISTIC_ALPHA = 0.7  # the model's prior acceptance, and what a retry hopes for
 NGRAM_MAX, NGRAM_MIN = 4, 2  # the n-gram proposer's match lengths
+log = logging.getLogger(__name__)
 SWITCH_MARGIN = 0.03  # keep the current method unless another is this much better (a switch drops a bet)
-DECODE_TOKENS = 40  # per session: a pass or draft with more is a prefill, which says nothing of a round's cost
+# A pass or draft batch that prefilled more than this per session says little of a round's cost.
+PREFILL_PER_SESSION = 2
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -157,11 +160,12 @@ class Costs:
             return
         v, d, s = rnd.verdict, rnd.draft, self.smoothing
         with self._lock:
-            if v is not None and 0 < v.batch_tokens <= DECODE_TOKENS * v.batch_size:
+            if v is not None and v.batch_tokens > 0 and v.batch_prefill_tokens <= PREFILL_PER_SESSION * v.batch_size:
                 self._line(v.threads).observe(v.batch_tokens, v.compute_ms)
                 self.verify_overhead_ms += s * (max(0.0, rnd.verify_ms - v.compute_ms) - self.verify_overhead_ms)
                 self.batch += s * (v.batch_size - self.batch)
-            if d.from_worker and d.batch_size > 0 and rnd.num_drafted > 0 and d.prefill_tokens <= DECODE_TOKENS:
+            if (d.from_worker and d.batch_size > 0 and rnd.num_drafted > 0
+                    and d.batch_prefill_tokens <= PREFILL_PER_SESSION * d.batch_size):
                 self._draft.observe(d.batch_size, d.compute_ms / max(d.proposed, rnd.num_drafted))
                 if rnd.draft_ms > d.compute_ms:  # a proposal waited for (not a bet that was ready)
                     self.draft_overhead_ms += s * (rnd.draft_ms - d.compute_ms - self.draft_overhead_ms)
@@ -256,6 +260,13 @@ class SpeculationPolicy:
                     best = hope
         if best.method == MODEL:
             self._since_model = 0
+        if log.isEnabledFor(logging.DEBUG):
+            n = self.costs.load
+            log.debug("policy: %s K=%d at n=%.1f: %.4f tok/ms (none %.4f); alpha model %.2f ngram %.2f; "
+                      "V solo %.1f shared %.1f ms, D %.1f ms/token", best.method, best.k, n, best.gain,
+                      options[0].gain, self.alpha[MODEL].value, self.alpha[NGRAM].value,
+                      self.costs.verify_ms(n, solo=True), self.costs.verify_ms(n * (best.k + 1), solo=False),
+                      self.costs.draft_ms(1, n) - self.costs.draft_overhead_ms)
         self._method = best.method
         return best
 

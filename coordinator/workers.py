@@ -155,7 +155,7 @@ class DraftClient(WorkerClient):
         ))
         dists = [(list(d.token_ids), list(d.probs)) for d in response.distributions]
         return Draft(list(response.token_ids), dists, response.compute_ms, response.batch_size,
-                     response.prefill_tokens, len(response.token_ids))
+                     response.batch_prefill_tokens, len(response.token_ids))
 
     def release(self, session_id: str) -> None:
         self.call(self.stub.ReleaseDraftCache, draft_pb2.ReleaseDraftCacheRequest(session_id=session_id))
@@ -175,9 +175,11 @@ class TargetClient(WorkerClient):
             session_id=session_id, committed_ids=committed_ids, draft_ids=draft.token_ids,
             draft_distributions=[common_pb2.SparseDistribution(token_ids=i, probs=p) for i, p in draft.dists],
             sampling=sampling_to_proto(sampling), seed=seed, drafted_without_worker=not draft.from_worker,
+            draft_in_flight=draft.worker_busy,
         ))
         return Verdict(response.num_accepted, response.next_token_id, response.compute_ms, response.batch_size,
-                       logprobs_from_proto(response.logprobs), response.batch_tokens, response.threads)
+                       logprobs_from_proto(response.logprobs), response.batch_tokens, response.threads,
+                       response.batch_prefill_tokens)
 
     def release(self, session_id: str) -> None:
         self.call(self.stub.ReleaseTargetCache, target_pb2.ReleaseTargetCacheRequest(session_id=session_id))

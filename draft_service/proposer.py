@@ -57,6 +57,7 @@ class Proposal:
     prefill_tokens: int
     compute_ms: float  # the batch's
     batch_size: int = 1
+    batch_prefill_tokens: int = 0  # the batch's prefill, all sessions together
 
 
 @dataclass
@@ -110,7 +111,8 @@ class ModelProposer:
         compute_ms = (time.perf_counter() - started) * 1e3
         metrics.FORWARD_SECONDS.labels("draft").observe(compute_ms / 1e3)
         for i, d in drafting.items():
-            results[i] = Proposal(d.token_ids, d.dists, d.prefill, compute_ms, len(drafting))
+            results[i] = Proposal(d.token_ids, d.dists, d.prefill, compute_ms, len(drafting),
+                                  sum(x.prefill for x in drafting.values()))
         return results
 
     def _admit(self, drafting: dict[int, _Drafting], results: list) -> None:

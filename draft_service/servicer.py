@@ -36,6 +36,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             prefill_tokens=proposal.prefill_tokens,
             compute_ms=proposal.compute_ms,
             batch_size=proposal.batch_size,
+            batch_prefill_tokens=proposal.batch_prefill_tokens,
         )
 
     @grpc_errors

@@ -27,6 +27,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                 seed=request.seed,
                 draft_dists=[(list(d.token_ids), list(d.probs)) for d in request.draft_distributions],
                 from_draft_worker=not request.drafted_without_worker,
+                draft_in_flight=request.draft_in_flight,
             ),
             lambda: not context.is_active(),
             call_deadline(context),
@@ -40,6 +41,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             logprobs=logprobs_to_proto(result.logprobs),
             batch_tokens=result.batch_tokens,
             threads=result.threads,
+            batch_prefill_tokens=result.batch_prefill_tokens,
         )
 
     @grpc_errors

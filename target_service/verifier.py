@@ -42,6 +42,7 @@ class VerifyTask:
     # Sparse (token_ids, probs) per draft token when sampling; empty when greedy.
     draft_dists: list[tuple[list[int], list[float]]] = field(default_factory=list)
     from_draft_worker: bool = True  # False: n-gram tokens from the coordinator, no draft worker is busy
+    draft_in_flight: bool = False  # the session's draft worker is busy on its next proposal meanwhile
 
 
 @dataclass(frozen=True)
@@ -54,14 +55,17 @@ class VerifyResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per committed token, when asked for
     batch_tokens: int = 0  # tokens in the forward pass, all sessions together
     threads: int = 0  # intra-op threads it ran on
+    batch_prefill_tokens: int = 0  # of batch_tokens, committed tokens the caches did not hold
 
 
 class CoreShare:
     """Intra-op threads per batch on a machine the target shares with a draft worker: `threads`
-    while sessions draft (the draft worker runs on the other cores then), `solo` once no batch has
-    carried a draft worker's token for `quiet_s` (plain or n-gram decoding: the draft's cores are idle, and 8 plain
-    decodes on 2 threads cost about 0.6 of what they cost on 1). The thread count does not change
-    any result: oneDNN and SDPA split rows and heads across threads, never a sum."""
+    while sessions draft (the draft worker runs on the other cores then), `solo` once for `quiet_s`
+    no batch has carried a draft worker's token or come while a draft worker drafted for its session
+    (plain or n-gram decoding: the draft's cores are idle, and 8 plain decodes on 2 threads cost
+    about 0.6 of what they cost on 1; with the draft busy too, a 2-thread team on 2 cores is
+    preempted at every barrier and runs slower than on 1). The thread count does not change any
+    result: oneDNN and SDPA split rows and heads across threads, never a sum."""
 
     def __init__(self, threads: int, solo: int, quiet_s: float = 0.5, clock: Callable[[], float] = time.monotonic):
         self.threads, self.solo, self.quiet_s, self.clock = threads, solo, quiet_s, clock
@@ -69,7 +73,7 @@ class CoreShare:
 
     def for_batch(self, tasks: list[VerifyTask]) -> int:
         now = self.clock()
-        if any(t.draft_ids and t.from_draft_worker for t in tasks):
+        if any((t.draft_ids and t.from_draft_worker) or t.draft_in_flight for t in tasks):
             self._last_draft = now
         n = self.solo if now - self._last_draft >= self.quiet_s else self.threads
         if torch.get_num_threads() != n:
@@ -124,7 +128,7 @@ class Verifier:
         metrics.VERIFY_BATCH.observe(len(leased))
         for i, num_accepted, next_token, logprobs in decided:
             results[i] = VerifyResult(num_accepted, next_token, prefill[i], compute_ms, len(leased), logprobs,
-                                      batch_tokens, threads)
+                                      batch_tokens, threads, sum(prefill.values()))
         return results
 
     def _admit(self, tasks: list[VerifyTask], leased: list[tuple[int, CachedSequence]],

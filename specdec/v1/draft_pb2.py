@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xa3\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_ids\x18\x02 \x03(\x05\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0emin_confidence\x18\x06 \x01(\x02\"\x9b\x01\n\x0fProposeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x35\n\rdistributions\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x16\n\x0eprefill_tokens\x18\x03 \x01(\x05\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\".\n\x18ReleaseDraftCacheRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"-\n\x19ReleaseDraftCacheResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x16\n\x14GetDraftModelRequest\"=\n\x15GetDraftModelResponse\x12$\n\x05model\x18\x01 \x01(\x0b\x32\x15.specdec.v1.ModelInfo2\x83\x02\n\x05\x44raft\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12`\n\x11ReleaseDraftCache\x12$.specdec.v1.ReleaseDraftCacheRequest\x1a%.specdec.v1.ReleaseDraftCacheResponse\x12T\n\rGetDraftModel\x12 .specdec.v1.GetDraftModelRequest\x1a!.specdec.v1.GetDraftModelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xa3\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_ids\x18\x02 \x03(\x05\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0emin_confidence\x18\x06 \x01(\x02\"\xb9\x01\n\x0fProposeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x35\n\rdistributions\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x16\n\x0eprefill_tokens\x18\x03 \x01(\x05\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\x12\x1c\n\x14\x62\x61tch_prefill_tokens\x18\x06 \x01(\x05\".\n\x18ReleaseDraftCacheRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"-\n\x19ReleaseDraftCacheResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x16\n\x14GetDraftModelRequest\"=\n\x15GetDraftModelResponse\x12$\n\x05model\x18\x01 \x01(\x0b\x32\x15.specdec.v1.ModelInfo2\x83\x02\n\x05\x44raft\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12`\n\x11ReleaseDraftCache\x12$.specdec.v1.ReleaseDraftCacheRequest\x1a%.specdec.v1.ReleaseDraftCacheResponse\x12T\n\rGetDraftModel\x12 .specdec.v1.GetDraftModelRequest\x1a!.specdec.v1.GetDraftModelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,15 +35,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROPOSEREQUEST']._serialized_start=64
   _globals['_PROPOSEREQUEST']._serialized_end=227
   _globals['_PROPOSERESPONSE']._serialized_start=230
-  _globals['_PROPOSERESPONSE']._serialized_end=385
-  _globals['_RELEASEDRAFTCACHEREQUEST']._serialized_start=387
-  _globals['_RELEASEDRAFTCACHEREQUEST']._serialized_end=433
-  _globals['_RELEASEDRAFTCACHERESPONSE']._serialized_start=435
-  _globals['_RELEASEDRAFTCACHERESPONSE']._serialized_end=480
-  _globals['_GETDRAFTMODELREQUEST']._serialized_start=482
-  _globals['_GETDRAFTMODELREQUEST']._serialized_end=504
-  _globals['_GETDRAFTMODELRESPONSE']._serialized_start=506
-  _globals['_GETDRAFTMODELRESPONSE']._serialized_end=567
-  _globals['_DRAFT']._serialized_start=570
-  _globals['_DRAFT']._serialized_end=829
+  _globals['_PROPOSERESPONSE']._serialized_end=415
+  _globals['_RELEASEDRAFTCACHEREQUEST']._serialized_start=417
+  _globals['_RELEASEDRAFTCACHEREQUEST']._serialized_end=463
+  _globals['_RELEASEDRAFTCACHERESPONSE']._serialized_start=465
+  _globals['_RELEASEDRAFTCACHERESPONSE']._serialized_end=510
+  _globals['_GETDRAFTMODELREQUEST']._serialized_start=512
+  _globals['_GETDRAFTMODELREQUEST']._serialized_end=534
+  _globals['_GETDRAFTMODELRESPONSE']._serialized_start=536
+  _globals['_GETDRAFTMODELRESPONSE']._serialized_end=597
+  _globals['_DRAFT']._serialized_start=600
+  _globals['_DRAFT']._serialized_end=859
 # @@protoc_insertion_point(module_scope)

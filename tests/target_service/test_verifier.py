@@ -44,6 +44,7 @@ def test_a_session_that_does_not_fit_is_refused_alone(model):
         assert (results[i].num_accepted, results[i].next_token_id) == (expected.num_accepted, expected.next_token_id)
         assert results[i].batch_size == 2
         assert results[i].batch_tokens == 10 + 2 + 12 + 1  # what the pass computed: both sessions' tokens
+        assert results[i].batch_prefill_tokens == 10 + 12  # of which their prompts
     assert caches.num_free_units == pool.num_free_blocks
     again = Verifier(caches, max_context=512)._verify_batch([tasks[1]])  # alone, after a and b are idle
     assert not isinstance(again[0], BaseException)  # a and b were evicted to make room
@@ -66,5 +67,7 @@ def test_core_share_gives_the_target_every_core_once_nothing_is_drafted():
         assert cores.for_batch([plain]) == 2 and torch.get_num_threads() == 2
         ngram = VerifyTask("c", [1, 2], [3, 4], GREEDY, from_draft_worker=False)
         assert cores.for_batch([plain, ngram]) == 2  # n-gram tokens keep no draft worker busy
+        warming = VerifyTask("d", [1, 2], [], GREEDY, draft_in_flight=True)
+        assert cores.for_batch([plain, warming]) == 1  # but a proposal drafted meanwhile does
     finally:
         torch.set_num_threads(before)
