@@ -45,7 +45,8 @@ import contextlib
 import logging
 import math
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from coordinator.loop import Round
@@ -140,6 +141,74 @@ class Prior:
     draft_overhead_ms: float = 2.0
 
 
+class DraftGate:
+    """Whether the draft model may be used at the current load, decided by measuring tokens, not by
+    the cost model. Alone, a round costs what its parts add up to, and the cost model predicts it.
+    Under load it does not: sessions fall out of step and wait in each other's batches, draft and
+    target share the cores with the coordinator, and a round at c8 here cost up to 3x its parts. So
+    at each load level (requests running here: 2, 3-4, 5-8, 9-16, ...) the coordinator measures the
+    tokens per second of a session's rounds in epochs with the model allowed and without it (n-gram
+    and plain decoding stay allowed in both), keeps the better, and re-tests the other now and then.
+    The first SETTLE_S of an epoch are not counted: bets in flight and the target's threads change
+    with the mode. Greedy requests only: what it decides depends on timing."""
+
+    EPOCH_S = 1.5  # a test of one mode
+    SETTLE_S = 0.5
+    EXPLOIT_S = 30.0  # the better mode, before the other is tested again
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self._levels: dict[int, _Level] = {}
+        self._lock = threading.Lock()
+
+    def allows_model(self, running: int) -> bool:
+        if running <= 1:
+            return True
+        with self._lock:
+            return self._level(running).mode(self.clock())
+
+    def observe(self, running: int, tokens: int, round_ms: float) -> None:
+        if running <= 1:
+            return
+        with self._lock:
+            self._level(running).observe(self.clock(), tokens, round_ms)
+
+    def _level(self, running: int) -> _Level:
+        level = 1 << (running - 1).bit_length()  # 2, 4, 8, 16, ...
+        if level not in self._levels:
+            self._levels[level] = _Level(self.clock())
+        return self._levels[level]
+
+
+class _Level:
+    """One load level's epochs: each mode's measured tokens per ms of a session's round."""
+
+    def __init__(self, now: float):
+        self.rate: dict[bool, float | None] = {True: None, False: None}
+        self.allowed, self.testing = True, True
+        self.started, self.until = now, now + DraftGate.EPOCH_S
+        self.tokens, self.ms = 0, 0.0
+
+    def mode(self, now: float) -> bool:
+        if now >= self.until:
+            if self.ms > 0:
+                measured = self.tokens / self.ms
+                old = self.rate[self.allowed]
+                self.rate[self.allowed] = measured if old is None else 0.5 * (old + measured)
+            if self.testing and self.rate[not self.allowed] is not None:  # both measured: keep the better
+                self.allowed = (self.rate[True] or 0.0) >= (self.rate[False] or 0.0)
+                self.testing, span = False, DraftGate.EXPLOIT_S
+            else:  # test the other mode (first, or again after exploiting)
+                self.allowed, self.testing, span = not self.allowed, True, DraftGate.EPOCH_S
+            self.started, self.until, self.tokens, self.ms = now, now + span, 0, 0.0
+        return self.allowed
+
+    def observe(self, now: float, tokens: int, round_ms: float) -> None:
+        if now - round_ms / 1e3 >= self.started + DraftGate.SETTLE_S:  # the round ran in this epoch, settled
+            self.tokens += tokens
+            self.ms += round_ms
+
+
 class Costs:
     """The workers' costs as this coordinator measures them, shared by all its sessions."""
 
@@ -151,6 +220,7 @@ class Costs:
         self.draft_overhead_ms = prior.draft_overhead_ms
         self.batch = 1.0
         self.active = 0  # requests running now (the coordinator keeps it)
+        self.gate = DraftGate()
         # each method's acceptance over every session here: where a new session starts from
         self.acceptance = {MODEL: Rate(OPTIMISTIC_ALPHA, forget=0.98), NGRAM: Rate(0.3, forget=0.98)}
         self._lock = threading.Lock()
@@ -244,14 +314,15 @@ class SpeculationPolicy:
         options = [best]
         if self._lookup:
             options += [self._ngram(k) for k in NGRAM_KS if k <= min(max_k, len(self._lookup))]
-        if MODEL in self.methods:
+        model = MODEL in self.methods and (not self.costs.learns or self.costs.gate.allows_model(self.costs.active))
+        if model:
             alpha = self.alpha[MODEL].value
             options += [self._model(k, alpha) for k in MODEL_KS if k <= max_k]
         best = max(options, key=lambda c: (c.gain, -c.k))
         current = max((c for c in options if c.method == self._method), key=lambda c: c.gain, default=None)
         if current is not None and current.gain >= best.gain * (1 - SWITCH_MARGIN):
             best = current
-        if MODEL in self.methods and best.method != MODEL:
+        if model and best.method != MODEL:
             self._since_model += 1
             if self._since_model >= PROBE_EVERY:
                 self._since_model = 0
@@ -273,6 +344,8 @@ class SpeculationPolicy:
     def observe(self, rnd: Round) -> None:
         """Learn from the round just verified: the costs (shared), each method's acceptance."""
         self.costs.observe(rnd)
+        if self.costs.learns:
+            self.costs.gate.observe(self.costs.active, len(rnd.new_ids), rnd.draft_ms + rnd.verify_ms)
         if rnd.num_drafted and rnd.draft.from_worker:
             self._accept(MODEL, rnd.num_accepted, min(rnd.num_drafted, rnd.num_accepted + 1))
         if NGRAM in self.methods:

@@ -13,6 +13,7 @@ from coordinator.policy import (
     NONE,
     PROBE_EVERY,
     Costs,
+    DraftGate,
     Line,
     SpeculationPolicy,
     expected_tokens,
@@ -131,3 +132,44 @@ def test_a_new_session_starts_from_what_the_sessions_before_it_learnt():
         first.observe(a_round([7], 5, 0))  # the draft is always wrong here
     assert SpeculationPolicy(costs, frozenset({MODEL}), overlap=False).choose([1, 2], 100).method == NONE
     assert FIXED.prior_acceptance(MODEL) == pytest.approx(0.7)  # sampled requests: always the same start
+
+
+def test_the_draft_gate_keeps_the_mode_that_serves_more_and_retests_the_other():
+    """Under load the gate measures, per load level, a session's tokens per ms with the draft model
+    allowed and without it, in epochs of a fake clock, and keeps the better."""
+    now = [0.0]
+    gate = DraftGate(clock=lambda: now[0])
+    speeds = {True: 1 / 250, False: 1 / 50}  # tokens per ms: at c8 here, the draft model loses
+
+    def run(seconds: float, running: int = 8) -> list[bool]:
+        modes = []
+        end = now[0] + seconds
+        while now[0] < end:
+            allowed = gate.allows_model(running)
+            modes.append(allowed)
+            ms = 1 / speeds[allowed]
+            now[0] += ms / 1e3
+            gate.observe(running, 1, ms)
+        return modes
+
+    assert set(run(DraftGate.EPOCH_S)) == {True}  # a new level first tests the model...
+    assert set(run(DraftGate.EPOCH_S)) == {False}  # ...then plain
+    assert set(run(DraftGate.EXPLOIT_S - 1)) == {False}  # and keeps what served more
+    assert True in run(2 * DraftGate.EPOCH_S)  # until it tests the other again
+    assert gate.allows_model(1)  # alone, the cost model decides
+    assert set(run(DraftGate.EPOCH_S, running=3)) == {True}  # another level starts afresh
+
+
+def test_a_gated_model_is_neither_chosen_nor_retried():
+    now = [0.0]
+    costs = Costs()
+    costs.gate = DraftGate(clock=lambda: now[0])
+    costs.gate._level(8).allowed = False
+    costs.gate._level(8).until = 1e9
+    feed(costs, batch=1, verify={1: (20.0, 2.0)}, draft_ms_per_token=1.0)  # the cost model loves the draft
+    policy = trained(SpeculationPolicy(costs, frozenset({MODEL}), overlap=True), accepted_of_5=5)
+    with costs.running():
+        assert policy.choose([1, 2], 100).method == MODEL
+    for _ in range(8):
+        costs.active += 1
+    assert {policy.choose([1, 2], 100).method for _ in range(3 * PROBE_EVERY)} == {NONE}
