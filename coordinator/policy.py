@@ -152,9 +152,9 @@ class DraftGate:
     The first SETTLE_S of an epoch are not counted: bets in flight and the target's threads change
     with the mode. Greedy requests only: what it decides depends on timing."""
 
-    EPOCH_S = 1.5  # a test of one mode
-    SETTLE_S = 0.5
-    EXPLOIT_S = 30.0  # the better mode, before the other is tested again
+    EPOCH_S = 1.0  # a test of one mode
+    SETTLE_S = 0.3
+    EXPLOIT_S = 60.0  # the better mode, before the other is tested again
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
