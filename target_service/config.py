@@ -25,6 +25,7 @@ class TargetConfig:
     max_queue: int = 64
     threads: int = 0
     solo_threads: int = 0
+    prefill_chunk: int = 128
     kv_store: KVStoreOptions = KVStoreOptions()
 
     def __post_init__(self):
@@ -38,6 +39,8 @@ class TargetConfig:
             raise ValueError("max_batch must be >= 1")
         if self.max_queue < 1:
             raise ValueError("max_queue must be >= 1")
+        if self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
         if self.threads < 0 or self.solo_threads < 0:
             raise ValueError(f"threads and solo_threads must be >= 0, got {self.threads}, {self.solo_threads}")
         if self.dtype not in ("float32", "float16", "bfloat16", "float64"):
@@ -75,9 +78,13 @@ class TargetConfig:
         p.add_argument("--solo-threads", type=int, default=int(env("SPECDEC_TARGET_SOLO_THREADS", cls.solo_threads)),
                        help="with --threads: threads for batches once no session has drafted for 0.5 s (the draft "
                             "worker's cores are idle then; `specdec up` gives all cores); 0: always --threads")
+        p.add_argument("--prefill-chunk", type=int,
+                       default=int(env("SPECDEC_TARGET_PREFILL_CHUNK", cls.prefill_chunk)),
+                       help="a long prompt is prefilled at most this many tokens per pass, between the other "
+                            "sessions' rounds, so that it does not stall them (0: whole prompts in one pass)")
         KVStoreOptions.add_flags(p, "SPECDEC_TARGET")
         ServerOptions.add_flags(p, "SPECDEC_TARGET", port=50052)
         a = p.parse_args(argv)
         return cls(ServerOptions.from_args(a), a.model, a.dtype, a.device, a.max_cache_tokens,
                    a.tensor_parallel_size, a.dist_timeout, a.kv_cache, a.batch_window_ms, a.max_batch, a.max_queue,
-                   a.threads, a.solo_threads, KVStoreOptions.from_args(a))
+                   a.threads, a.solo_threads, a.prefill_chunk, KVStoreOptions.from_args(a))

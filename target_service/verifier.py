@@ -2,7 +2,11 @@
 draft tokens, then the exact rule from `acceptance`. K = 0 is plain target decoding.
 
 Concurrent requests from different sessions are verified together: their tails go through the
-model in one batched pass (each with its own cache length and K) when the backend can batch."""
+model in one batched pass (each with its own cache length and K) when the backend can batch.
+
+A long prefill goes through in chunks of at most `prefill_chunk` tokens, one per pass, between the
+other sessions' rounds (chunked prefill, as vLLM and SGLang do): without it, a session that sends a
+2,000-token prompt stalls every session decoding beside it for the whole prefill."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec_core import metrics
-from specdec_core.batching import BatchQueue
+from specdec_core.batching import AGAIN, BatchQueue
 from specdec_core.errors import InvalidArgument, ResourceExhausted
 from specdec_core.kvcache import CachedSequence, SessionCaches
 from specdec_core.logs import short_id
@@ -83,8 +87,9 @@ class CoreShare:
 
 class Verifier:
     def __init__(self, caches: SessionCaches, max_context: int, window_s: float = 0.001, max_batch: int = 32,
-                 max_queue: int = 64, cores: CoreShare | None = None):
+                 max_queue: int = 64, cores: CoreShare | None = None, prefill_chunk: int = 0):
         self.caches = caches
+        self.prefill_chunk = prefill_chunk  # most uncached tokens of a session per pass (0: no limit)
         self.vocab_size = caches.backend.vocab_size
         self.max_context = max_context
         self.cores = cores
@@ -112,10 +117,17 @@ class Verifier:
             if not leased:
                 return results
             prefill = {i: len(tasks[i].committed_ids) - len(seq.token_ids) for i, seq in leased}
+            long = self.prefill_chunk and {i for i, _ in leased if prefill[i] > self.prefill_chunk}
+            chunked = [(i, seq) for i, seq in leased if long and i in long]
+            leased = [(i, seq) for i, seq in leased if not long or i not in long]
             feeds = [(seq, tasks[i].committed_ids[len(seq.token_ids):] + tasks[i].draft_ids) for i, seq in leased]
+            feeds += [(seq, tasks[i].committed_ids[len(seq.token_ids):][:self.prefill_chunk]) for i, seq in chunked]
             batch_tokens = sum(len(ids) for _, ids in feeds)
+            batch_prefill = batch_tokens - sum(len(tasks[i].draft_ids) for i, _ in leased)
             logits = self.caches.extend_batch(  # logits only where the rule reads them: the last K+1
-                feeds, [len(tasks[i].draft_ids) + 1 for i, _ in leased])
+                feeds, [len(tasks[i].draft_ids) + 1 for i, _ in leased] + [1] * len(chunked))
+            for i, _ in chunked:  # a chunk of a long prefill: the rest in the next passes, between others' rounds
+                results[i] = AGAIN
             decided = []
             for (i, seq), rows in zip(leased, logits):
                 task = tasks[i]
@@ -125,10 +137,10 @@ class Verifier:
                 decided.append((i, num_accepted, next_token, logprobs))
         compute_ms = (time.perf_counter() - started) * 1e3
         metrics.FORWARD_SECONDS.labels("target").observe(compute_ms / 1e3)
-        metrics.VERIFY_BATCH.observe(len(leased))
+        metrics.VERIFY_BATCH.observe(len(leased) + len(chunked))
         for i, num_accepted, next_token, logprobs in decided:
-            results[i] = VerifyResult(num_accepted, next_token, prefill[i], compute_ms, len(leased), logprobs,
-                                      batch_tokens, threads, sum(prefill.values()))
+            results[i] = VerifyResult(num_accepted, next_token, prefill[i], compute_ms, len(leased) + len(chunked),
+                                      logprobs, batch_tokens, threads, batch_prefill)
         return results
 
     def _admit(self, tasks: list[VerifyTask], leased: list[tuple[int, CachedSequence]],

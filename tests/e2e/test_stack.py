@@ -290,3 +290,13 @@ def test_seeded_sampling_under_the_default_policy_is_reproducible_at_any_concurr
     for i in range(8):
         assert crowded[i].token_ids == alone[i % 2].token_ids == again[i % 2].token_ids, i
     assert all(r.stats["drafted"] > 0 for r in alone)  # the policy speculated
+
+
+@pytest.mark.lossless
+def test_long_prompts_prefilled_in_chunks_beside_decoding_sessions_are_lossless(tiny_stack, hf_greedy):
+    """The target prefills at most --prefill-chunk (128) tokens of a prompt per pass, between the
+    other sessions' rounds: two long prompts among four short ones, all at once."""
+    prompts = [[(11 * i + 3 * j) % 3000 + 40 for j in range(n)] for i, n in enumerate((300, 450, 5, 9, 14, 20))]
+    results = generate_at_once(tiny_stack.address("coordinator"), prompts, max_new_tokens=24)
+    for i, ids in enumerate(prompts):
+        assert results[i].token_ids == hf_greedy(ids, 24), i

@@ -134,3 +134,32 @@ def test_a_batch_waits_for_the_members_of_the_last_one():
         t.join(30)
         assert not t.is_alive()
     assert sorted(sum(batches[3:], [])) == ["a", "b"]
+
+
+def test_a_task_answered_again_runs_in_the_next_batch_beside_the_new_ones():
+    """Chunked work: a step that answers AGAIN for a task has done a part of it; the task runs again
+    in the next batch (with what arrived meanwhile), and its caller gets the last answer."""
+    from specdec_core.batching import AGAIN
+
+    batches, parts = [], {"long": 3}
+
+    def process(tasks):
+        batches.append(sorted(tasks))
+        out = []
+        for t in tasks:
+            parts[t] = parts.get(t, 1) - 1
+            out.append(AGAIN if parts[t] > 0 else f"{t} done")
+            if t == "long" and parts[t] == 2:  # while the long task is between parts, a short one arrives
+                threading.Thread(target=lambda: answers.append(q.submit("short", "short"))).start()
+                while q._queue.qsize() < 1:
+                    time.sleep(0.001)
+        return out
+
+    answers = []
+    q = BatchQueue(process, window_s=0.0, max_batch=8, regroup_s=0.0)
+    assert q.submit("long", "long") == "long done"
+    assert batches == [["long"], ["long", "short"], ["long"]]  # the short one did not wait for the long one
+    deadline = time.monotonic() + 30
+    while not answers and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert answers == ["short done"]

@@ -12,7 +12,7 @@ from specdec_core.errors import ResourceExhausted
 from specdec_core.kvcache import SessionCaches
 from specdec_core.logs import short_id
 from specdec_core.sampling import SamplingConfig
-from target_service.verifier import CoreShare, Verifier, VerifyTask
+from target_service.verifier import CoreShare, Verifier, VerifyResult, VerifyTask
 from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.capacity
@@ -71,3 +71,23 @@ def test_core_share_gives_the_target_every_core_once_nothing_is_drafted():
         assert cores.for_batch([plain, warming]) == 1  # but a proposal drafted meanwhile does
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_long_prefill_goes_through_in_chunks_between_the_other_sessions_rounds(model):
+    """Chunked prefill: a 300-token prompt takes passes of at most 64 of its tokens; a short
+    session's verify in the same pass is answered at once, not after the whole prefill; and the long
+    session's verdict, when it comes, is the one an unchunked pass gives."""
+    from specdec_core.batching import AGAIN
+
+    long = VerifyTask("long", ids(300, 7), [11, 12, 13], GREEDY)
+    short = VerifyTask("short", ids(9, 8), [5], GREEDY)
+    verifier = Verifier(SessionCaches(BatchedBackend(model, max_tokens=2048)), max_context=512, prefill_chunk=64)
+    passes = [verifier._verify_batch([long, short])]
+    while passes[-1][0] is AGAIN:
+        passes.append(verifier._verify_batch([long]))
+    assert len(passes) == 5  # 64 + 64 + 64 + 64 cached, then the last 44 with the drafts
+    assert isinstance(passes[0][1], VerifyResult) and passes[0][1].batch_tokens == 64 + 9 + 1
+    assert passes[0][1].batch_prefill_tokens == 64 + 9
+    whole = Verifier(SessionCaches(BatchedBackend(model, max_tokens=2048)), max_context=512)._verify_batch([long])[0]
+    assert (passes[-1][0].num_accepted, passes[-1][0].next_token_id) == (whole.num_accepted, whole.next_token_id)
+    assert passes[-1][0].prefill_tokens == 300 - 4 * 64
