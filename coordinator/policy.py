@@ -8,12 +8,13 @@ with the most expected tokens per millisecond of the round's predicted wall time
 
     none     V_solo(n) + o_v
     n-gram   V_solo(n (1 + h K)) + o_v              h: how often this session's lookup finds a match
-    model    V_shared(n (K + 1)) + o_v + D(n) K + o_d
-             with overlap, when the bet wins (probability alpha^(K+1)): the larger of the two parts
+    model    V(n (K + 1)) + o_v + D(n) K + o_d
+             with overlap, when the bet wins (probability alpha^(K+1)): the larger of the two parts,
+             and V_shared (the next block drafts during the pass), else V_solo
 
 - V(t): the target's forward pass over t tokens (all sessions together), a line fitted to what the
   target reports about every pass, one line per thread count: with --solo-threads the target uses
-  more cores while no draft worker is busy (V_solo) than while one is (V_shared).
+  more cores while no draft worker drafts (V_solo) than while one does (V_shared).
 - D(s): the draft worker's milliseconds per proposed token with s sessions in its batch, a power
   law fitted the same way in log space (a prior of linear growth, as on a CPU; data from several
   batch sizes decide the exponent, near 0 on a GPU).
@@ -155,6 +156,7 @@ class DraftGate:
     EPOCH_S = 1.0  # a test of one mode
     SETTLE_S = 0.3
     EXPLOIT_S = 60.0  # the better mode, before the other is tested again
+    MARGIN = 0.05  # the model must serve this much more to be kept: drafting also costs the other sessions
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
@@ -196,7 +198,7 @@ class _Level:
                 old = self.rate[self.allowed]
                 self.rate[self.allowed] = measured if old is None else 0.5 * (old + measured)
             if self.testing and self.rate[not self.allowed] is not None:  # both measured: keep the better
-                self.allowed = (self.rate[True] or 0.0) >= (self.rate[False] or 0.0)
+                self.allowed = (self.rate[True] or 0.0) > (1 + DraftGate.MARGIN) * (self.rate[False] or 0.0)
                 self.testing, span = False, DraftGate.EXPLOIT_S
             else:  # test the other mode (first, or again after exploiting)
                 self.allowed, self.testing, span = not self.allowed, True, DraftGate.EPOCH_S
@@ -366,7 +368,7 @@ class SpeculationPolicy:
 
     def _model(self, k: int, alpha: float) -> Choice:
         n = self.costs.load
-        verify = self.costs.verify_ms(n * (k + 1), solo=False)
+        verify = self.costs.verify_ms(n * (k + 1), solo=not self.overlap)  # with overlap a bet drafts meanwhile
         draft = self.costs.draft_ms(k, n)
         ms = verify + draft
         if self.overlap:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -141,6 +142,30 @@ def _domain_error(role: str, code: grpc.StatusCode, details: str) -> SpecdecErro
     return SpecdecError(f"{role} worker failed: {code.name}: {details}")
 
 
+class _InFlight:
+    """Calls to draft workers in flight from this process: the target is told, so that where it shares
+    cores with a draft worker it keeps to its share while one drafts."""
+
+    def __init__(self):
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        with self._lock:
+            self._count += 1
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._count -= 1
+
+    @property
+    def busy(self) -> bool:
+        return self._count > 0
+
+
+DRAFTS_IN_FLIGHT = _InFlight()
+
+
 class DraftClient(WorkerClient):
     def __init__(self, address: str, timeout_s: float = 60.0, retry_budget_s: float = 2.0,
                  channel: ChannelSettings = ChannelSettings()):
@@ -149,10 +174,11 @@ class DraftClient(WorkerClient):
 
     def propose(self, session_id, committed_ids, num_tokens, sampling: SamplingConfig, seed,
                 min_confidence: float = 0.0) -> Draft:
-        response = self.call(self.stub.Propose, draft_pb2.ProposeRequest(
-            session_id=session_id, committed_ids=committed_ids, num_tokens=num_tokens,
-            sampling=sampling_to_proto(sampling), seed=seed, min_confidence=min_confidence,
-        ))
+        with DRAFTS_IN_FLIGHT:
+            response = self.call(self.stub.Propose, draft_pb2.ProposeRequest(
+                session_id=session_id, committed_ids=committed_ids, num_tokens=num_tokens,
+                sampling=sampling_to_proto(sampling), seed=seed, min_confidence=min_confidence,
+            ))
         dists = [(list(d.token_ids), list(d.probs)) for d in response.distributions]
         return Draft(list(response.token_ids), dists, response.compute_ms, response.batch_size,
                      response.batch_prefill_tokens, len(response.token_ids))
@@ -174,8 +200,8 @@ class TargetClient(WorkerClient):
         response = self.call(self.stub.Verify, target_pb2.VerifyRequest(
             session_id=session_id, committed_ids=committed_ids, draft_ids=draft.token_ids,
             draft_distributions=[common_pb2.SparseDistribution(token_ids=i, probs=p) for i, p in draft.dists],
-            sampling=sampling_to_proto(sampling), seed=seed, drafted_without_worker=not draft.from_worker,
-            draft_in_flight=draft.worker_busy,
+            sampling=sampling_to_proto(sampling), seed=seed,
+            draft_in_flight=DRAFTS_IN_FLIGHT.busy,
         ))
         return Verdict(response.num_accepted, response.next_token_id, response.compute_ms, response.batch_size,
                        logprobs_from_proto(response.logprobs), response.batch_tokens, response.threads,

@@ -76,8 +76,9 @@ class TargetConfig:
                        help="torch intra-op threads on CPU (0: torch's default, one per core); on a machine "
                             "shared with the draft worker, give each its own cores")
         p.add_argument("--solo-threads", type=int, default=int(env("SPECDEC_TARGET_SOLO_THREADS", cls.solo_threads)),
-                       help="with --threads: threads for batches once no session has drafted for 0.5 s (the draft "
-                            "worker's cores are idle then; `specdec up` gives all cores); 0: always --threads")
+                       help="with --threads: threads for batches while no draft worker drafts (the coordinators say "
+                            "so in each Verify; the draft's cores are idle then; `specdec up` gives all cores); "
+                            "0: always --threads")
         p.add_argument("--prefill-chunk", type=int,
                        default=int(env("SPECDEC_TARGET_PREFILL_CHUNK", cls.prefill_chunk)),
                        help="a long prompt is prefilled at most this many tokens per pass, between the other "

@@ -26,7 +26,6 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                 sampling=sampling_from_proto(request.sampling),
                 seed=request.seed,
                 draft_dists=[(list(d.token_ids), list(d.probs)) for d in request.draft_distributions],
-                from_draft_worker=not request.drafted_without_worker,
                 draft_in_flight=request.draft_in_flight,
             ),
             lambda: not context.is_active(),

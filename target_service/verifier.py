@@ -45,8 +45,7 @@ class VerifyTask:
     seed: int = 0
     # Sparse (token_ids, probs) per draft token when sampling; empty when greedy.
     draft_dists: list[tuple[list[int], list[float]]] = field(default_factory=list)
-    from_draft_worker: bool = True  # False: n-gram tokens from the coordinator, no draft worker is busy
-    draft_in_flight: bool = False  # the session's draft worker is busy on its next proposal meanwhile
+    draft_in_flight: bool = False  # the coordinator had a draft worker's call in flight when it sent this
 
 
 @dataclass(frozen=True)
@@ -64,20 +63,21 @@ class VerifyResult:
 
 class CoreShare:
     """Intra-op threads per batch on a machine the target shares with a draft worker: `threads`
-    while sessions draft (the draft worker runs on the other cores then), `solo` once for `quiet_s`
-    no batch has carried a draft worker's token or come while a draft worker drafted for its session
-    (plain or n-gram decoding: the draft's cores are idle, and 8 plain decodes on 2 threads cost
-    about 0.6 of what they cost on 1; with the draft busy too, a 2-thread team on 2 cores is
-    preempted at every barrier and runs slower than on 1). The thread count does not change any
-    result: oneDNN and SDPA split rows and heads across threads, never a sum."""
+    while a draft worker drafts (the coordinators say so in each Verify: a call to a draft worker
+    was in flight when they sent it), and for `quiet_s` after (a draft that starts just after the
+    pass began), `solo` otherwise: plain or n-gram decoding, and rounds whose draft has finished,
+    leave the draft's cores idle; 8 plain decodes on 2 threads cost about 0.6 of what they cost on 1.
+    With the draft busy too, a 2-thread team on 2 cores is preempted at every barrier and runs slower
+    than on 1. The thread count does not change any result: oneDNN and SDPA split rows and heads
+    across threads, never a sum."""
 
-    def __init__(self, threads: int, solo: int, quiet_s: float = 0.5, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, threads: int, solo: int, quiet_s: float = 0.1, clock: Callable[[], float] = time.monotonic):
         self.threads, self.solo, self.quiet_s, self.clock = threads, solo, quiet_s, clock
         self._last_draft = -float("inf")
 
     def for_batch(self, tasks: list[VerifyTask]) -> int:
         now = self.clock()
-        if any((t.draft_ids and t.from_draft_worker) or t.draft_in_flight for t in tasks):
+        if any(t.draft_in_flight for t in tasks):
             self._last_draft = now
         n = self.solo if now - self._last_draft >= self.quiet_s else self.threads
         if torch.get_num_threads() != n:

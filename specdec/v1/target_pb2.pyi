@@ -8,14 +8,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "committed_ids", "draft_ids", "draft_distributions", "sampling", "seed", "drafted_without_worker", "draft_in_flight")
+    __slots__ = ("session_id", "committed_ids", "draft_ids", "draft_distributions", "sampling", "seed", "draft_in_flight")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
-    DRAFTED_WITHOUT_WORKER_FIELD_NUMBER: _ClassVar[int]
     DRAFT_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     committed_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -23,9 +22,8 @@ class VerifyRequest(_message.Message):
     draft_distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
     sampling: _common_pb2.SamplingParams
     seed: int
-    drafted_without_worker: bool
     draft_in_flight: bool
-    def __init__(self, session_id: _Optional[str] = ..., committed_ids: _Optional[_Iterable[int]] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., drafted_without_worker: _Optional[bool] = ..., draft_in_flight: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., committed_ids: _Optional[_Iterable[int]] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., draft_in_flight: _Optional[bool] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("num_accepted", "next_token_id", "prefill_tokens", "compute_ms", "batch_size", "logprobs", "batch_tokens", "threads", "batch_prefill_tokens")

@@ -50,25 +50,23 @@ def test_a_session_that_does_not_fit_is_refused_alone(model):
     assert not isinstance(again[0], BaseException)  # a and b were evicted to make room
 
 
-def test_core_share_gives_the_target_every_core_once_nothing_is_drafted():
-    """`--solo-threads`: a batch with draft tokens runs on the target's share; batches without
-    any, once none had drafts for quiet_s, on every core. A fake clock: no test waits."""
+def test_core_share_gives_the_target_every_core_while_no_draft_worker_drafts():
+    """`--solo-threads`: a batch sent while a coordinator had a draft call in flight runs on the
+    target's share, and so do batches for quiet_s after; the others on every core (plain and n-gram
+    rounds, and rounds whose draft has finished). A fake clock: no test waits."""
     now = [100.0]
-    cores = CoreShare(threads=1, solo=2, quiet_s=0.5, clock=lambda: now[0])
+    cores = CoreShare(threads=1, solo=2, quiet_s=0.1, clock=lambda: now[0])
     before = torch.get_num_threads()
     try:
         plain = VerifyTask("a", [1, 2], [], GREEDY)
-        drafted = VerifyTask("b", [1, 2], [3, 4], GREEDY)
+        drafted = VerifyTask("b", [1, 2], [3, 4], GREEDY)  # its draft has finished: the draft's cores are idle
+        drafting = VerifyTask("c", [1, 2], [3, 4], GREEDY, draft_in_flight=True)
+        assert cores.for_batch([plain, drafted]) == 2 and torch.get_num_threads() == 2
+        assert cores.for_batch([plain, drafting]) == 1 and torch.get_num_threads() == 1
+        now[0] += 0.05
+        assert cores.for_batch([plain]) == 1  # a draft may have started just after
+        now[0] += 0.06
         assert cores.for_batch([plain]) == 2 and torch.get_num_threads() == 2
-        assert cores.for_batch([plain, drafted]) == 1 and torch.get_num_threads() == 1
-        now[0] += 0.2
-        assert cores.for_batch([plain]) == 1  # the draft worker may still be busy
-        now[0] += 0.4
-        assert cores.for_batch([plain]) == 2 and torch.get_num_threads() == 2
-        ngram = VerifyTask("c", [1, 2], [3, 4], GREEDY, from_draft_worker=False)
-        assert cores.for_batch([plain, ngram]) == 2  # n-gram tokens keep no draft worker busy
-        warming = VerifyTask("d", [1, 2], [], GREEDY, draft_in_flight=True)
-        assert cores.for_batch([plain, warming]) == 1  # but a proposal drafted meanwhile does
     finally:
         torch.set_num_threads(before)
 
