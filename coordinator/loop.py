@@ -45,6 +45,7 @@ class Draft:
     batch_prefill_tokens: int = 0  # tokens the draft worker's batch had to (re)compute before drafting
     proposed: int = 0  # tokens the worker drafted in that call (a bet's block is a part of them)
     from_worker: bool = True  # False: proposed in the coordinator (n-gram), no draft worker was busy
+    drafting_meanwhile: bool = False  # a draft worker drafts for this session while this is verified
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,8 @@ class Speculator:
         if overlaps and draft.token_ids:
             token = CancelToken()
             pending = self._submit(token, committed_ids + draft.token_ids, k + 1)
+        if pending is not None or (self._warmup is not None and not self._warmup[0].done()):
+            draft = replace(draft, drafting_meanwhile=True)  # the target keeps to its share of the cores
         verify_started = time.perf_counter()
         verdict = self.verifier.verify(self.session_id, committed_ids, draft, self.sampling, self.seed)
         verified = time.perf_counter()

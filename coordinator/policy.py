@@ -7,7 +7,7 @@ E(alpha, K) = (1 - alpha^(K+1)) / (1 - alpha) tokens per round. The policy picks
 with the most expected tokens per millisecond of the round's predicted wall time:
 
     none     V_solo(n) + o_v
-    n-gram   V_solo(n (1 + h K)) + o_v              h: how often this session's lookup finds a match
+    n-gram   V_solo(n + K) + o_v, serving n - 1 + E tokens: this session's block joins a pass of n
     model    V(n (K + 1)) + o_v + D(n) K + o_d
              with overlap, when the bet wins (probability alpha^(K+1)): the larger of the two parts,
              and V_shared (the next block drafts during the pass), else V_solo
@@ -301,7 +301,6 @@ class SpeculationPolicy:
     def __init__(self, costs: Costs, methods: frozenset[str], overlap: bool, max_k: int | None = None):
         self.costs, self.methods, self.overlap, self.max_k = costs, methods, overlap, max_k
         self.alpha = {m: Rate(costs.prior_acceptance(m)) for m in (MODEL, NGRAM)}
-        self.ngram_hits = Rate(0.3)  # how often a lookup finds a match
         self._lookup: list[int] = []
         self._since_model = 0
         self._method = NONE
@@ -350,21 +349,22 @@ class SpeculationPolicy:
             self.costs.gate.observe(self.costs.active, len(rnd.new_ids), rnd.draft_ms + rnd.verify_ms)
         if rnd.num_drafted and rnd.draft.from_worker:
             self._accept(MODEL, rnd.num_accepted, min(rnd.num_drafted, rnd.num_accepted + 1))
-        if NGRAM in self.methods:
-            self.ngram_hits.add(bool(self._lookup), 1)
-            if self._lookup:
-                seen = min(len(self._lookup), len(rnd.new_ids))
-                matched = next((i for i in range(seen) if self._lookup[i] != rnd.new_ids[i]), seen)
-                self._accept(NGRAM, matched, min(seen, matched + 1))
+        if self._lookup:
+            seen = min(len(self._lookup), len(rnd.new_ids))
+            matched = next((i for i in range(seen) if self._lookup[i] != rnd.new_ids[i]), seen)
+            self._accept(NGRAM, matched, min(seen, matched + 1))
 
     def _accept(self, method: str, successes: int, trials: int) -> None:
         self.alpha[method].add(successes, trials)
         self.costs.observe_acceptance(method, successes, trials)
 
     def _ngram(self, k: int) -> Choice:
+        """This session's K tokens join a pass of n sessions: what the pass serves per session, its
+        (n - 1) others' tokens plus this one's, over the longer pass all of them wait for (the lookup
+        matched now, which the others' may not have: a symmetric guess would overrate it)."""
         n = self.costs.load
-        tokens = expected_tokens(self.alpha[NGRAM].value, k)
-        return Choice(NGRAM, k, tokens / self.costs.verify_ms(n * (1 + self.ngram_hits.value * k), solo=True))
+        tokens = n - 1 + expected_tokens(self.alpha[NGRAM].value, k)
+        return Choice(NGRAM, k, tokens / (n * self.costs.verify_ms(n + k, solo=True)))
 
     def _model(self, k: int, alpha: float) -> Choice:
         n = self.costs.load

@@ -201,7 +201,7 @@ class TargetClient(WorkerClient):
             session_id=session_id, committed_ids=committed_ids, draft_ids=draft.token_ids,
             draft_distributions=[common_pb2.SparseDistribution(token_ids=i, probs=p) for i, p in draft.dists],
             sampling=sampling_to_proto(sampling), seed=seed,
-            draft_in_flight=DRAFTS_IN_FLIGHT.busy,
+            draft_in_flight=draft.drafting_meanwhile or DRAFTS_IN_FLIGHT.busy,
         ))
         return Verdict(response.num_accepted, response.next_token_id, response.compute_ms, response.batch_size,
                        logprobs_from_proto(response.logprobs), response.batch_tokens, response.threads,
