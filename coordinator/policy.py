@@ -155,7 +155,7 @@ class DraftGate:
 
     EPOCH_S = 1.0  # a test of one mode
     SETTLE_S = 0.3
-    EXPLOIT_S = 60.0  # the better mode, before the other is tested again
+    EXPLOIT_S = 3600.0  # the better mode, before the other is tested again (what decides it persists)
     MARGIN = 0.05  # the model must serve this much more to be kept: drafting also costs the other sessions
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):

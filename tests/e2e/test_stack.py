@@ -294,7 +294,7 @@ def test_seeded_sampling_under_the_default_policy_is_reproducible_at_any_concurr
 
 @pytest.mark.lossless
 def test_long_prompts_prefilled_in_chunks_beside_decoding_sessions_are_lossless(tiny_stack, hf_greedy):
-    """The target prefills at most --prefill-chunk (128) tokens of a prompt per pass, between the
+    """The target prefills at most --prefill-chunk (64) tokens of a prompt per pass, between the
     other sessions' rounds: two long prompts among four short ones, all at once."""
     prompts = [[(11 * i + 3 * j) % 3000 + 40 for j in range(n)] for i, n in enumerate((300, 450, 5, 9, 14, 20))]
     results = generate_at_once(tiny_stack.address("coordinator"), prompts, max_new_tokens=24)
