@@ -169,11 +169,11 @@ class DraftGate:
         with self._lock:
             return self._level(running).mode(self.clock())
 
-    def observe(self, running: int, tokens: int, round_ms: float) -> None:
+    def observe(self, running: int, tokens: int, round_ms: float, drafted_by_model: bool) -> None:
         if running <= 1:
             return
         with self._lock:
-            self._level(running).observe(self.clock(), tokens, round_ms)
+            self._level(running).observe(self.clock(), tokens, round_ms, drafted_by_model)
 
     def _level(self, running: int) -> _Level:
         level = 1 << (running - 1).bit_length()  # 2, 4, 8, 16, ...
@@ -186,8 +186,8 @@ class _Level:
     """One load level's epochs: each mode's measured tokens per ms of a session's round."""
 
     def __init__(self, now: float):
-        self.rate: dict[bool, float | None] = {True: None, False: None}
-        self.allowed, self.testing = True, True
+        self.rate: dict[bool, float | None] = {True: None, False: None}  # None: not measured (yet)
+        self.allowed, self.untested = True, {True, False}
         self.started, self.until = now, now + DraftGate.EPOCH_S
         self.tokens, self.ms = 0, 0.0
 
@@ -197,16 +197,24 @@ class _Level:
                 measured = self.tokens / self.ms
                 old = self.rate[self.allowed]
                 self.rate[self.allowed] = measured if old is None else 0.5 * (old + measured)
-            if self.testing and self.rate[not self.allowed] is not None:  # both measured: keep the better
-                self.allowed = (self.rate[True] or 0.0) > (1 + DraftGate.MARGIN) * (self.rate[False] or 0.0)
-                self.testing, span = False, DraftGate.EXPLOIT_S
-            else:  # test the other mode (first, or again after exploiting)
-                self.allowed, self.testing, span = not self.allowed, True, DraftGate.EPOCH_S
+            if not self.untested:  # the end of an exploitation: test the other mode again
+                self.untested = {not self.allowed}
+            self.untested.discard(self.allowed)
+            if self.untested:
+                self.allowed, span = self.untested.pop(), DraftGate.EPOCH_S
+                self.untested.add(self.allowed)
+            else:  # both tested: keep the better (the model only with evidence that it serves more)
+                yes, no = self.rate[True], self.rate[False]
+                self.allowed, span = yes is not None and (no is None or yes > (1 + DraftGate.MARGIN) * no), \
+                    DraftGate.EXPLOIT_S
             self.started, self.until, self.tokens, self.ms = now, now + span, 0, 0.0
         return self.allowed
 
-    def observe(self, now: float, tokens: int, round_ms: float) -> None:
-        if now - round_ms / 1e3 >= self.started + DraftGate.SETTLE_S:  # the round ran in this epoch, settled
+    def observe(self, now: float, tokens: int, round_ms: float, drafted_by_model: bool) -> None:
+        """With the model allowed, only its rounds count: the others in that epoch (a draft warming
+        up, n-gram, plain) are what the other mode measures."""
+        settled = now - round_ms / 1e3 >= self.started + DraftGate.SETTLE_S  # the round ran in this epoch
+        if settled and (drafted_by_model or not self.allowed):
             self.tokens += tokens
             self.ms += round_ms
 
@@ -346,7 +354,8 @@ class SpeculationPolicy:
         """Learn from the round just verified: the costs (shared), each method's acceptance."""
         self.costs.observe(rnd)
         if self.costs.learns:
-            self.costs.gate.observe(self.costs.active, len(rnd.new_ids), rnd.draft_ms + rnd.verify_ms)
+            self.costs.gate.observe(self.costs.active, len(rnd.new_ids), rnd.draft_ms + rnd.verify_ms,
+                                    rnd.num_drafted > 0 and rnd.draft.from_worker)
         if rnd.num_drafted and rnd.draft.from_worker:
             self._accept(MODEL, rnd.num_accepted, min(rnd.num_drafted, rnd.num_accepted + 1))
         if self._lookup:

@@ -149,7 +149,7 @@ def test_the_draft_gate_keeps_the_mode_that_serves_more_and_retests_the_other():
             modes.append(allowed)
             ms = 1 / speeds[allowed]
             now[0] += ms / 1e3
-            gate.observe(running, 1, ms)
+            gate.observe(running, 1, ms, drafted_by_model=allowed)
         return modes
 
     assert set(run(DraftGate.EPOCH_S)) == {True}  # a new level first tests the model...
