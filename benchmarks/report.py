@@ -210,7 +210,7 @@ def summary_notes(top: int, best: str | None, hf_chosen: dict, sets: list[str], 
                    f"the best speculative config at c{top} ({best}; " +
                    ", ".join(f"{k} {v:.1f}" for k, v in at_top.items() if v) + " tok/s)")
     return {
-        "model_draft_c1_vs_target": "chat set, c1: model draft K=5 with overlap (the local stack's default) / "
+        "model_draft_c1_vs_target": "chat set, c1: model draft K=5 with overlap / "
                                     "target_k0 (K=0, same path), aggregate tokens/s",
         "model_draft_no_overlap_c1_vs_target": "the same with overlap off",
         "ngram_c1_vs_hf_prompt_lookup": "input-grounded set, c1: ngram_k10 / transformers generate with "
@@ -238,8 +238,9 @@ def summary_notes(top: int, best: str | None, hf_chosen: dict, sets: list[str], 
                                   f"{top} longest sessions (tokens x layers x 2 x kv heads x head dim x 4 B) + 500 MB",
         "k0_c8_step_cost_ratio": f"chat set, target_k0 (plain decoding): verify ms per round at c{top} / at c1, "
                                  "as the coordinator measures the Verify call (batch formation and gRPC included)",
-        "c8_chat_vs_vllm_plain": f"chat set, c{top}: {DEFAULT} (the local stack's default) / {VLLM} (vLLM-CPU "
-                                 "serving the same model, fp32, plain decoding), aggregate tokens/s",
+        "c8_chat_vs_vllm_plain": f"chat set, c{top}: {DEFAULT} (the speculation policy, what a request gets "
+                                 f"unless it asks otherwise) / {VLLM} (vLLM-CPU serving the same model, fp32, "
+                                 "plain decoding), aggregate tokens/s",
         "c1_chat_vs_vllm_plain": "the same at c1",
         "concurrency_measured": top,
     }
