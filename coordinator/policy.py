@@ -20,24 +20,25 @@ with the most expected tokens per millisecond of the round's predicted wall time
   batch sizes decide the exponent, near 0 on a GPU).
 - o_v, o_d: what a call costs beyond the model (RPC, queueing), measured.
 - n: sessions per target pass (smoothed), or the requests running in this coordinator now if more
-  (a burst is known before its passes are measured). Every session at this load is assumed to choose what this
-  one chooses. The draft worker and the target are shared: one session's drafting slows everyone's
-  pass, which a session alone would not see (at c8 on this machine, each session would go on
-  speculating while plain decoding serves twice as many tokens).
+  (a burst is known before its passes are measured). The model draft is weighed as if every session
+  at this load drafted alike: the draft worker is shared, and one session's drafting slows everyone.
+
+Under load the parts stop adding up: sessions fall out of step and wait in each other's batches, and
+a model round at c8 here took up to 3x its predicted time. So whether the model may be used at all,
+with two or more requests running, is measured rather than predicted: the DraftGate below.
 
 Acceptance is per session and per method, starting from what this coordinator's sessions have seen
-lately (a new request does not relearn that the draft loses here). n-gram's is scored on every round for free: its lookup for
-the committed tokens is compared with what the target commits. The model draft's is learnt when it
-drafts; while something else wins, it is retried for one round every PROBE_EVERY, and only if an
-optimistic acceptance would make it the best choice at the current costs (so that under load, where
-drafting loses however good the draft is, nothing is spent on retrying it).
+lately (a new request does not relearn that the draft loses here). n-gram's is scored on every round
+for free: its lookup for the committed tokens is compared with what the target commits. The model
+draft's is learnt when it drafts; while something else wins, it is retried for one round every
+PROBE_EVERY, and only if an optimistic acceptance would make it the best choice at the current costs.
 
 K = 0 needs no acceptance: its cost is V_solo, which every plain pass measures.
 
 Seeded sampling stays reproducible: which positions were drafted decides which keyed draws make a
 sampled token, so a sampled request's choices must depend on nothing that timing or other sessions
-change. It uses the fixed prior costs at n = 1 and its own acceptance, which are functions of its
-tokens and seed alone.
+change. It uses the fixed prior costs at n = 1, no gate, and its own acceptance, which are functions
+of its tokens and seed alone.
 """
 
 from __future__ import annotations
