@@ -54,6 +54,8 @@ from dataclasses import dataclass
 from coordinator.loop import Round
 from coordinator.ngram import lookup
 
+log = logging.getLogger(__name__)
+
 MODEL = "model"
 NGRAM = "ngram"
 NONE = "none"
@@ -62,7 +64,6 @@ NGRAM_KS = range(1, 11)
 PROBE_EVERY = 16
 OPTIMISTIC_ALPHA = 0.7  # the model's prior acceptance, and what a retry hopes for
 NGRAM_MAX, NGRAM_MIN = 4, 2  # the n-gram proposer's match lengths
-log = logging.getLogger(__name__)
 SWITCH_MARGIN = 0.03  # keep the current method unless another is this much better (a switch drops a bet)
 # A pass or draft batch that prefilled more than this per session says little of a round's cost.
 PREFILL_PER_SESSION = 2
@@ -90,14 +91,19 @@ class Line:
         self._sums = [s[0] + 1, s[1] + x, s[2] + x * x, s[3] + y, s[4] + x * y]
         self.count += 1
 
-    def __call__(self, x: float) -> float:
+    def fit(self) -> tuple[float, float]:
+        """(a, b): the prior's until something is seen."""
         w, wx, wxx, wy, wxy = self._sums
         if not self.count:
-            return self.a + self.b * x
-        # minimise sum w (a + b x - y)^2 + slope_weight (b - b0)^2: with a = (wy - b wx) / w,
+            return self.a, self.b
+        # minimise sum w (a + b x - y)^2 + slope_weight (b - b0)^2, with a = (wy - b wx) / w
         slope = (wxy - wx * wy / w + self.slope_weight * self.b) / (wxx - wx * wx / w + self.slope_weight)
-        slope = max(0.0, slope)
-        return max(0.01, (wy - slope * wx) / w + slope * x)
+        return (wy - slope * wx) / w, slope
+
+    def __call__(self, x: float) -> float:
+        a, b = self.fit()
+        b = max(0.0, b)  # a cost never falls with more work
+        return max(0.01, a + b * x) if self.count else a + b * x
 
 
 class PowerLaw(Line):
@@ -110,10 +116,8 @@ class PowerLaw(Line):
     def __call__(self, x: float) -> float:
         if not self.count:
             return self.a * x ** self.b
-        w, wx, wxx, wy, wxy = self._sums
-        lx = math.log(x)
-        slope = (wxy - wx * wy / w + self.slope_weight * self.b) / (wxx - wx * wx / w + self.slope_weight)
-        return math.exp((wy - slope * wx) / w + slope * lx)
+        log_a, b = self.fit()
+        return math.exp(log_a + b * math.log(x))
 
 
 class Rate:
@@ -206,8 +210,8 @@ class _Level:
                 self.untested.add(self.allowed)
             else:  # both tested: keep the better (the model only with evidence that it serves more)
                 yes, no = self.rate[True], self.rate[False]
-                self.allowed, span = yes is not None and (no is None or yes > (1 + DraftGate.MARGIN) * no), \
-                    DraftGate.EXPLOIT_S
+                self.allowed = yes is not None and (no is None or yes > (1 + DraftGate.MARGIN) * no)
+                span = DraftGate.EXPLOIT_S
             self.started, self.until, self.tokens, self.ms = now, now + span, 0, 0.0
         return self.allowed
 
@@ -241,7 +245,7 @@ class Costs:
             return
         v, d, s = rnd.verdict, rnd.draft, self.smoothing
         with self._lock:
-            if v is not None and v.batch_tokens > 0 and v.batch_prefill_tokens <= PREFILL_PER_SESSION * v.batch_size:
+            if v is not None and 0 < v.batch_tokens and v.batch_prefill_tokens <= PREFILL_PER_SESSION * v.batch_size:
                 self._line(v.threads).observe(v.batch_tokens, v.compute_ms)
                 self.verify_overhead_ms += s * (max(0.0, rnd.verify_ms - v.compute_ms) - self.verify_overhead_ms)
                 self.batch += s * (v.batch_size - self.batch)
