@@ -4,7 +4,7 @@ from __future__ import annotations
 
 SERVICES = {"draft": "d", "target": "t", "coordinator": "c", "redis": "r", "benchmark_process": "bench"}
 SUMMARY_FORMAT = {"overhead_ms_per_round": "{:.1f} ms", "target_peak_rss_c8_mb": "{:.0f} MB",
-                  "target_rss_bound_c8_mb": "{:.0f} MB"}
+                  "target_rss_bound_c8_mb": "{:.0f} MB", "c8_chat_roofline_fraction": "{:.2f}"}
 QUICK = ["**--quick run: a harness check (2 prompts per set, 32 new tokens), not a measurement.**", ""]
 COLUMNS = ("configuration", "c", "tok/s aggregate", "tok/s per request", "vs target_k0", "TTFT p50 / p99 ms",
            "ITL p50 / p99 ms", "acceptance", "tokens per pass: measured / Leviathan",
