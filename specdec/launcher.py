@@ -15,6 +15,7 @@ launcher dies, however it dies, so no service outlives it.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -33,7 +34,19 @@ MODULES = {"draft": "draft_service", "target": "target_service", "coordinator": 
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now for a service about to start, below Linux's default ephemeral range
+    (32768-60999): bind(0) hands out a port from that range, where the next outgoing connection of
+    any process may take it before the service binds it (a CI run lost a coordinator's health port
+    that way)."""
+    for _ in range(100):
+        port = random.randint(20000, 32767)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # that range is full: whatever the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -24,7 +24,6 @@ import atexit
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Sequence
@@ -67,10 +66,7 @@ def redis_version(binary: str) -> tuple[int, ...]:
     return tuple(int(x) for x in match.groups())
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+free_port = launcher.free_port
 
 
 # ---- processes ----------------------------------------------------------------------------------
