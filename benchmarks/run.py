@@ -234,24 +234,15 @@ def mixed_load(plan: Plan, stack, progress: Progress) -> list[dict]:
     """Chat sessions decoding with the default policy, alone and then while the longest
     input-grounded prompts arrive (the first 1 s after the start, the next 1.5 s later): does a long
     prefill stall the sessions that are decoding? Rows of the chat sessions only (layout "mixed")."""
-    chat = [(i, (m, 0.0)) for i, m in enumerate(take("chat", report.MIXED_CHAT))]
+    chat = list(enumerate(take("chat", report.MIXED_CHAT)))
     grounded = sorted(enumerate(take(GROUNDED_SET, None)), key=lambda p: -sum(len(m["content"]) for m in p[1]))
-    long = [(LONG_INDEX + i, (m, 1.0 + 1.5 * j)) for j, (i, m) in enumerate(grounded[:MIXED_LONG])]
+    long = [(LONG_INDEX + i, m) for i, m in grounded[:MIXED_LONG]]
+    start_after = {index: 1.0 + 1.5 * j for j, (index, _) in enumerate(long)}
     options = {**SPECDEC["default"], "max_new_tokens": plan.max_new_tokens}
     rows = []
     for name, jobs in (("mixed_chat_alone", chat), ("mixed_chat_with_long", chat + long)):
-        clients = [Client(stack.address("coordinator"), timeout_s=stacks.CLIENT_TIMEOUT_S) for _ in jobs]
-
-        def send(t: int, index: int, job: tuple[list[dict], float], clients=clients) -> Request:
-            messages, delay = job
-            time.sleep(delay)
-            return stacks.specdec_request(clients[t], index, messages, options)
-
-        try:
-            requests, wall = stacks.run_concurrently(jobs, len(jobs), send, lambda request, started: None)
-        finally:
-            for client in clients:
-                client.close()
+        requests, wall = stacks.run_batch(stack.address("coordinator"), jobs, len(jobs), options,
+                                          lambda request, started: None, start_after)
         chat_requests = [q for q in requests if q.prompt_index < LONG_INDEX]
         rows.append(row("mixed", "chat", name, report.MIXED_CHAT, None, chat_requests, wall, {}))
         itl = [x for q in chat_requests for x in q.itl_ms()]

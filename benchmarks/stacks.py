@@ -118,13 +118,18 @@ def specdec_runner(client: Client, options: dict) -> Callable[[int, list[dict], 
 
 
 def run_batch(address: str, jobs: list[tuple[int, list[dict]]], concurrency: int, options: dict,
-              on_done: Callable[[Request, float], None]) -> tuple[list[Request], float]:
-    """c client threads against a specdec stack (see run_concurrently)."""
+              on_done: Callable[[Request, float], None], start_after: dict[int, float] | None = None
+              ) -> tuple[list[Request], float]:
+    """c client threads against a specdec stack (see run_concurrently). start_after: prompt index ->
+    seconds its thread waits before sending it."""
     clients = [Client(address, timeout_s=CLIENT_TIMEOUT_S) for _ in range(concurrency)]
+
+    def send(t: int, index: int, messages: list[dict]) -> Request:
+        time.sleep((start_after or {}).get(index, 0.0))
+        return specdec_request(clients[t], index, messages, options)
+
     try:
-        return run_concurrently(jobs, concurrency,
-                                lambda t, index, messages: specdec_request(clients[t], index, messages, options),
-                                on_done)
+        return run_concurrently(jobs, concurrency, send, on_done)
     finally:
         for client in clients:
             client.close()

@@ -330,12 +330,12 @@ class Generation:
         if req.method == Method.NONE or (not req.adaptive and (req.method != Method.DEFAULT
                                                                or req.num_speculative_tokens is not None)):
             return None
-        if req.method == Method.DEFAULT:
-            methods = {NGRAM} | ({MODEL} if self.proposer is not None else set())
-        else:
-            methods = {MODEL if req.method == Method.MODEL else NGRAM} - ({MODEL} if self.proposer is None else set())
+        methods = {MODEL, NGRAM} if req.method == Method.DEFAULT else {
+            MODEL if req.method == Method.MODEL else NGRAM}
+        if self.proposer is None:
+            methods.discard(MODEL)
         costs = self.costs if req.sampling.is_greedy else FIXED
-        return SpeculationPolicy(costs, frozenset(methods), overlap, req.num_speculative_tokens)
+        return SpeculationPolicy(costs, frozenset(methods), overlap, req.num_speculative_tokens, self.ngram)
 
     def _drafting(self, req: GenerationRequest) -> tuple[Proposer | None, int]:
         k = self.limits.default_k if req.num_speculative_tokens is None else req.num_speculative_tokens

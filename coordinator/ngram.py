@@ -26,9 +26,13 @@ class NgramProposer:
 
     def propose(self, session_id: str, committed_ids: list[int], num_tokens: int, sampling, seed: int,
                 min_confidence: float = 0.0) -> Draft:
-        tokens = lookup(committed_ids, num_tokens, self.max_ngram, self.min_ngram)
+        tokens = self.continuation(committed_ids, num_tokens)
         dists = [] if sampling.is_greedy else [([t], [1.0]) for t in tokens]
         return Draft(tokens, dists, from_worker=False)
+
+    def continuation(self, ids: list[int], num_tokens: int) -> list[int]:
+        """What this proposer would propose after ids (the policy scores it on every round)."""
+        return lookup(ids, num_tokens, self.max_ngram, self.min_ngram)
 
 
 def lookup(ids: list[int], num_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:

@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from coordinator.loop import Round
-from coordinator.ngram import lookup
+from coordinator.ngram import NgramProposer
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,6 @@ MODEL_KS = range(1, 9)
 NGRAM_KS = range(1, 11)
 PROBE_EVERY = 16
 OPTIMISTIC_ALPHA = 0.7  # the model's prior acceptance, and what a retry hopes for
-NGRAM_MAX, NGRAM_MIN = 4, 2  # the n-gram proposer's match lengths
 SWITCH_MARGIN = 0.03  # keep the current method unless another is this much better (a switch drops a bet)
 # A pass or draft batch that prefilled more than this per session says little of a round's cost.
 PREFILL_PER_SESSION = 2
@@ -311,8 +310,10 @@ class Choice:
 class SpeculationPolicy:
     """One session's choices. `methods`: what it may draft with (K = 0 is always a candidate)."""
 
-    def __init__(self, costs: Costs, methods: frozenset[str], overlap: bool, max_k: int | None = None):
+    def __init__(self, costs: Costs, methods: frozenset[str], overlap: bool, max_k: int | None = None,
+                 ngram: NgramProposer | None = None):
         self.costs, self.methods, self.overlap, self.max_k = costs, methods, overlap, max_k
+        self.ngram = ngram or NgramProposer()  # whose lookup n-gram rounds would propose
         self.alpha = {m: Rate(costs.prior_acceptance(m)) for m in (MODEL, NGRAM)}
         self._lookup: list[int] = []
         self._since_model = 0
@@ -321,7 +322,7 @@ class SpeculationPolicy:
     def choose(self, committed_ids: list[int], max_k: int) -> Choice:
         """This round's method and K, at most max_k (and the policy's own ceiling)."""
         max_k = max_k if self.max_k is None else min(max_k, self.max_k)
-        self._lookup = lookup(committed_ids, max(NGRAM_KS), NGRAM_MAX, NGRAM_MIN) if NGRAM in self.methods else []
+        self._lookup = self.ngram.continuation(committed_ids, max(NGRAM_KS)) if NGRAM in self.methods else []
         best = Choice(NONE, 0, 1.0 / self.costs.verify_ms(self.costs.load, solo=True))
         if max_k <= 0:
             return best

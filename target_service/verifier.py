@@ -117,9 +117,8 @@ class Verifier:
             if not leased:
                 return results
             prefill = {i: len(tasks[i].committed_ids) - len(seq.token_ids) for i, seq in leased}
-            long = self.prefill_chunk and {i for i, _ in leased if prefill[i] > self.prefill_chunk}
-            chunked = [(i, seq) for i, seq in leased if long and i in long]
-            leased = [(i, seq) for i, seq in leased if not long or i not in long]
+            chunked = [(i, seq) for i, seq in leased if 0 < self.prefill_chunk < prefill[i]]
+            leased = [(i, seq) for i, seq in leased if not 0 < self.prefill_chunk < prefill[i]]
             feeds = [(seq, tasks[i].committed_ids[len(seq.token_ids):] + tasks[i].draft_ids) for i, seq in leased]
             feeds += [(seq, tasks[i].committed_ids[len(seq.token_ids):][:self.prefill_chunk]) for i, seq in chunked]
             batch_tokens = sum(len(ids) for _, ids in feeds)
