@@ -7,11 +7,14 @@ Definitions (the same for every runner, ours or a baseline):
 - TTFT = request start to the arrival of the first chunk holding a token;
 - ITL = for every later chunk, the gap since the previous chunk divided by the chunk's tokens,
   counted once per token (the extra tokens of the first chunk have no ITL);
-- acceptance = accepted / drafted; mean accepted length = (accepted + rounds) / rounds (tokens per
-  target pass); Leviathan's prediction = (1 - a^(K+1)) / (1 - a) from the measured a;
+- acceptance = accepted / drafted; target passes = rounds + decoded (a round is one Verify call: its
+  verdict's pass, plus one pass per token of its plain decoding steps); mean accepted length =
+  committed tokens / passes = (accepted + passes) / passes (tokens per target pass); tokens per
+  round = (accepted + passes) / rounds; Leviathan's prediction = (1 - a^(K+1)) / (1 - a) from the
+  measured a;
 - ms per round = the coordinator's own split: draft (the draft time on the critical path; with
   overlap, only what was not hidden), verify, overhead = wall - draft - verify (network, Redis,
-  coordinator).
+  coordinator); verify ms per pass = verify ms / passes.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import numpy as np
 
 from coordinator.policy import expected_tokens as expected_tokens_per_pass
 
-SPEC_KEYS = ("rounds", "drafted", "accepted", "draft_ms", "verify_ms", "overhead_ms")
+SPEC_KEYS = ("rounds", "drafted", "accepted", "decoded", "draft_ms", "verify_ms", "overhead_ms")
 
 
 @dataclass
@@ -132,14 +135,18 @@ def config_stats(requests: list[Request], wall_s: float, k: int | None) -> dict:
 def speculation_stats(requests: list[Request], k: int | None) -> dict | None:
     if not requests or any(r.stats is None for r in requests):
         return None
-    t = {key: sum(r.stats[key] for r in requests) for key in SPEC_KEYS}
+    t = {key: sum(r.stats.get(key, 0) for r in requests) for key in SPEC_KEYS}
     rounds = max(1, t["rounds"])
+    passes = rounds + t["decoded"]
     alpha = t["accepted"] / t["drafted"] if t["drafted"] else None
     mean_k = t["drafted"] / rounds
     return {
-        **{key: t[key] for key in ("rounds", "drafted", "accepted")},
+        **{key: t[key] for key in ("rounds", "drafted", "accepted", "decoded")},
+        "passes": passes,
         "acceptance_rate": alpha,
-        "mean_accepted_length": (t["accepted"] + t["rounds"]) / rounds,
+        "mean_accepted_length": (t["accepted"] + passes) / passes,
+        "tokens_per_round": (t["accepted"] + passes) / rounds,
+        "verify_ms_per_pass": t["verify_ms"] / passes,
         "mean_k": mean_k,
         "leviathan_expected_length": expected_tokens_per_pass(alpha, k) if alpha is not None and k else None,
         "leviathan_at_mean_k": _leviathan_real_k(alpha, mean_k) if alpha is not None else None,

@@ -25,6 +25,8 @@ NOTES = [
     "Under overlap the draft ms per round is only the draft time left on the critical path.",
     "default: the speculation policy (coordinator/policy.py) chooses the method (draft model, n-gram, none) and K "
     "every round; its Leviathan column uses the mean K it drafted and the acceptance of all its drafts.",
+    "A round is one Verify call; with --decode-steps a plain round also decodes a few tokens in the target (one "
+    "pass each), so tokens per pass and tokens per round differ.",
     "roofline tok/s = c x tokens per round / max(draft ms, verify ms) per round, from the row's own measurements "
     "(the draft ms as the coordinator sees it: under overlap only what was not hidden).",
     "mixed load: the chat sessions decode with the default policy alone, then again while the longest "
@@ -53,7 +55,7 @@ def build(rows: list[dict], meta: dict) -> dict:
         r["stats"]["identical_to_target_k0"] = sum(same) / len(same) if same else None
         per = (r["stats"]["speculation"] or {}).get("ms_per_round")
         slowest = per and max(per["draft"], per["verify"])
-        r["stats"]["roofline_tokens_per_s"] = (r["concurrency"] * r["stats"]["speculation"]["mean_accepted_length"]
+        r["stats"]["roofline_tokens_per_s"] = (r["concurrency"] * r["stats"]["speculation"]["tokens_per_round"]
                                                * 1e3 / slowest) if slowest else None
     for r in rows:
         base = find(rows, r["layout"], r["prompt_set"], "target_k0", r["concurrency"])
@@ -170,12 +172,11 @@ def policy_summary(rows: list[dict], sets: list[str], top: int) -> dict:
 
 def step_cost_ratio(rows: list[dict], top: int) -> float | None:
     """What a plain decode step (K = 0) costs the target with `top` sessions batched against one:
-    the chat set's target_k0 verify ms per round (as the coordinator measures the call) at c`top`
-    over c1."""
+    the chat set's target_k0 verify ms per target pass (as the coordinator measures the calls: a call
+    of several decoding steps counts each) at c`top` over c1."""
     def verify_ms(c: int) -> float | None:
         s = find(rows, "main", "chat", "target_k0", c)
-        per = s and (s["speculation"] or {}).get("ms_per_round")
-        return per and per["verify"]
+        return s and (s["speculation"] or {}).get("verify_ms_per_pass")
 
     return ratio(verify_ms(top), verify_ms(1)) if top > 1 else None
 
@@ -236,8 +237,9 @@ def summary_notes(top: int, best: str | None, hf_chosen: dict, sets: list[str], 
                                  "its bound",
         "target_rss_bound_c8_mb": "that configuration's bound: target weights (fp32 safetensors) + KV of its "
                                   f"{top} longest sessions (tokens x layers x 2 x kv heads x head dim x 4 B) + 500 MB",
-        "k0_c8_step_cost_ratio": f"chat set, target_k0 (plain decoding): verify ms per round at c{top} / at c1, "
-                                 "as the coordinator measures the Verify call (batch formation and gRPC included)",
+        "k0_c8_step_cost_ratio": f"chat set, target_k0 (plain decoding): verify ms per target pass at c{top} / at "
+                                 "c1, as the coordinator measures the Verify calls (batch formation and gRPC "
+                                 "included; a call with decoding steps counts each of its passes)",
         "c8_chat_vs_vllm_plain": f"chat set, c{top}: {DEFAULT} (the speculation policy, what a request gets "
                                  f"unless it asks otherwise) / {VLLM} (vLLM-CPU serving the same model, fp32, "
                                  "plain decoding), aggregate tokens/s",

@@ -49,6 +49,9 @@ SPECDEC = {  # per-request options; "k" is also the K of Leviathan's prediction
     **{f"model_k{k}_{'overlap' if o else 'no_overlap'}": {"draft": "model", "k": k, "overlap": o}
        for k in (3, 5, 8) for o in (True, False)},
     "ngram_k10": {"draft": "ngram", "k": 10},
+    # one token per Verify call (--decode-steps 0 for this request): what multi-step decoding saves
+    "target_k0_one_step": {"draft": "none", "k": 0, "decode_steps": 0},
+    "default_one_step": {"draft": "default", "k": None, "decode_steps": 0},
 }
 BASELINES = {"hf_greedy": None, "hf_prompt_lookup": GROUNDED_SET, "llama_cpp_prompt_lookup": GROUNDED_SET}
 VLLM = {"vllm_plain": None, "vllm_ngram_k10": {"method": "ngram", "num_speculative_tokens": 10,

@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from specdec_core.limits import MAX_DECODE_STEPS
 from specdec_core.security import TlsFiles
 from specdec_core.server import ServerOptions
 
@@ -30,6 +31,7 @@ class CoordinatorConfig:
     startup_timeout_s: float = 600.0
     max_concurrent_requests: int = 64
     overlap: bool = False
+    decode_steps: int = 4
     auth_tokens_file: str = ""
     tenant_max_sessions: int = 0
     tenant_max_requests: int = 0
@@ -43,6 +45,8 @@ class CoordinatorConfig:
             raise ValueError("num_speculative_tokens must be in 0..32")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        if not 0 <= self.decode_steps <= MAX_DECODE_STEPS:
+            raise ValueError(f"decode_steps must be in 0..{MAX_DECODE_STEPS}")
         if self.max_concurrent_requests < 1:
             raise ValueError("max_concurrent_requests must be >= 1")
         if self.session_ttl_s < 1 or self.request_ttl_s < 1:
@@ -104,6 +108,10 @@ class CoordinatorConfig:
         p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=cls.overlap,
                        help="draft the next block while the target verifies this one (default: off; it pays "
                             "when draft and target have their own cores or machines, and costs when they share)")
+        p.add_argument("--decode-steps", type=int, default=int(env("SPECDEC_DECODE_STEPS", cls.decode_steps)),
+                       help="a round without draft tokens asks the target for up to this many more plain tokens in "
+                            "the same call (multi-step decoding: one RPC and one coordinator round for several "
+                            "tokens, which then stream together); 0: one token per call")
         p.add_argument("--auth-tokens-file", default=env("SPECDEC_AUTH_TOKENS_FILE", ""),
                        help="require 'authorization: Bearer <token>' with a token from this file, one "
                             "'tenant:token' a line (a bare token belongs to the tenant 'default'); a session "
@@ -132,7 +140,8 @@ class CoordinatorConfig:
             num_speculative_tokens=a.num_speculative_tokens, max_new_tokens=a.max_new_tokens,
             session_ttl_s=a.session_ttl, request_ttl_s=a.request_ttl, target_retry_s=a.target_retry,
             draft_retry_s=a.draft_retry, startup_timeout_s=a.startup_timeout,
-            max_concurrent_requests=a.max_concurrent_requests, overlap=a.overlap, auth_tokens_file=a.auth_tokens_file,
+            max_concurrent_requests=a.max_concurrent_requests, overlap=a.overlap, decode_steps=a.decode_steps,
+            auth_tokens_file=a.auth_tokens_file,
             tenant_max_sessions=a.tenant_max_sessions, tenant_max_requests=a.tenant_max_requests,
             worker_tls=TlsFiles(a.worker_tls_cert, a.worker_tls_key, a.worker_tls_ca),
             worker_tls_server_name=a.worker_tls_server_name,

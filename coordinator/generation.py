@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from coordinator.loop import Proposer, Speculator, Verifier
+from coordinator.loop import NO_DECODE, Decode, Proposer, Speculator, Verifier
 from coordinator.policy import FIXED, MODEL, NGRAM, Costs, SpeculationPolicy
 from coordinator.sessions import DEFAULT_TENANT, RequestRecord, Session, SessionStats, SessionStore
 from coordinator.tenancy import RequestQuota
@@ -35,7 +35,7 @@ from specdec_core.errors import (
     ResourceExhausted,
     SpecdecError,
 )
-from specdec_core.limits import validate_request_id, validate_session_id
+from specdec_core.limits import MAX_DECODE_STEPS, validate_request_id, validate_session_id
 from specdec_core.logs import log_context
 from specdec_core.sampling import SamplingConfig, TokenLogprob, sampling_to_dict, validate_sampling
 
@@ -80,6 +80,7 @@ class GenerationRequest:
     num_speculative_tokens: int | None = None
     adaptive: bool = False
     overlap: bool | None = None  # None: the server default
+    decode_steps: int | None = None  # None: the server default
     min_draft_confidence: float = 0.0
     session_id: str = ""
     request_id: str = ""  # makes retries idempotent; empty: none
@@ -102,6 +103,7 @@ class RequestStats:
     max_verify_batch_size: int = 0
     model_rounds: int = 0  # rounds drafted by the draft model
     ngram_rounds: int = 0  # by n-gram lookup
+    decoded: int = 0  # tokens the target decoded in plain steps after a verdict (one pass each)
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,7 @@ class Limits:
     default_k: int
     max_concurrent_requests: int = 64  # sizes the overlapped-drafting pool (one bet per request)
     overlap: bool = False
+    decode_steps: int = 0  # plain tokens a round without a draft asks the target for after its verdict
 
 
 class Generation:
@@ -203,7 +206,8 @@ class Generation:
 
         proposer, k_fixed = self._drafting(req)
         overlap = self.limits.overlap if req.overlap is None else req.overlap
-        policy = self._policy(req, overlap)
+        decode_steps = self.limits.decode_steps if req.decode_steps is None else req.decode_steps
+        policy = self._policy(req, overlap, decode_steps)
         proposers = {MODEL: self.proposer, NGRAM: self.ngram}
         if policy is not None:
             proposer = self.proposer if MODEL in policy.methods else None
@@ -211,7 +215,7 @@ class Generation:
         speculator = Speculator(session.session_id, sampling, session.seed, proposer, self.verifier,
                                 self._prefetch if overlap and proposer is self.proposer else None,
                                 req.min_draft_confidence)
-        stop_ids = self.codec.eos_ids | set(req.stop_token_ids)
+        stop_ids = frozenset(self.codec.eos_ids | set(req.stop_token_ids))
         out = OutputText(self.codec, req.stop)
         stats = RequestStats()
         done = session.token_ids[start + len(input_ids):record.end if record and record.finish else None]
@@ -235,7 +239,9 @@ class Generation:
                 k, chosen = choice.k, proposers.get(choice.method)
             else:
                 k, chosen = max(0, min(k_fixed, cap)), proposer
-            rnd = speculator.round(session.token_ids, k, chosen)
+            # multi-step plain decoding, but not in a request's first round (its first token would wait)
+            steps = min(decode_steps, cap) if k == 0 and stats.rounds else 0
+            rnd = speculator.round(session.token_ids, k, chosen, Decode(steps, stop_ids) if steps > 0 else NO_DECODE)
             if policy is not None:
                 policy.observe(rnd)
             new_ids, finish = self._cut(rnd.new_ids, remaining, stop_ids)
@@ -250,6 +256,7 @@ class Generation:
                 finish = Finish.CONTEXT
             _count_round(stats, rnd)
             stats.last_k = k
+            stats.decoded += rnd.passes - 1
             if rnd.num_drafted:
                 stats.model_rounds += rnd.draft.from_worker
                 stats.ngram_rounds += not rnd.draft.from_worker
@@ -323,7 +330,7 @@ class Generation:
         if assistant_text is not None:
             session.messages[-1]["content"] = assistant_text
 
-    def _policy(self, req: GenerationRequest, overlap: bool) -> SpeculationPolicy | None:
+    def _policy(self, req: GenerationRequest, overlap: bool, decode_steps: int) -> SpeculationPolicy | None:
         """The per-round choice of draft method and K, for a request that fixes neither (or asks for
         `adaptive`: then among its method and none). Sampled requests choose from fixed costs, so
         that a seed gives the same tokens whatever the load."""
@@ -335,7 +342,8 @@ class Generation:
         if self.proposer is None:
             methods.discard(MODEL)
         costs = self.costs if req.sampling.is_greedy else FIXED
-        return SpeculationPolicy(costs, frozenset(methods), overlap, req.num_speculative_tokens, self.ngram)
+        return SpeculationPolicy(costs, frozenset(methods), overlap, req.num_speculative_tokens, self.ngram,
+                                 decode_steps)
 
     def _drafting(self, req: GenerationRequest) -> tuple[Proposer | None, int]:
         k = self.limits.default_k if req.num_speculative_tokens is None else req.num_speculative_tokens
@@ -398,6 +406,8 @@ class Generation:
             raise InvalidArgument("speculation.min_draft_confidence", f"must be in [0, 1), got {req.min_draft_confidence}")
         if k is not None and not 0 <= k <= MAX_K:
             raise InvalidArgument("speculation.num_speculative_tokens", f"must be in 0..{MAX_K}, got {k}")
+        if req.decode_steps is not None and not 0 <= req.decode_steps <= MAX_DECODE_STEPS:
+            raise InvalidArgument("speculation.decode_steps", f"must be in 0..{MAX_DECODE_STEPS}, got {req.decode_steps}")
         if req.session_id:  # empty: a new session
             validate_session_id(req.session_id)
         if req.request_id:

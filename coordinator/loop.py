@@ -5,7 +5,9 @@ same in-process (tests) and over gRPC.
     verdict = verifier.verify(x, d, q)       # a accepted, then a recovered or bonus token
     x += d[0..a) + [next]
 
-K = 0 skips the draft: plain target decoding through the same path, the honest baseline.
+K = 0 skips the draft: plain target decoding through the same path, the honest baseline. A round
+may also ask the target for a few plain decoding steps after its verdict (`Decode`): one call, several
+passes, so that plain decoding pays the RPC and the coordinator's round once per call.
 
 Overlap: while the target verifies block i, the draft already proposes K + 1 tokens after x + d,
 betting that all of d is accepted and that the bonus token will be the draft's own first guess.
@@ -58,6 +60,8 @@ class Verdict:
     batch_tokens: int = 0  # tokens in the target's forward pass, all sessions together
     threads: int = 0  # the target's intra-op threads for it
     batch_prefill_tokens: int = 0  # of batch_tokens, committed tokens the target's caches did not hold
+    decoded_ids: list[int] = field(default_factory=list)  # plain decoding steps' tokens, after next_token_id
+    passes: int = 1  # the target's passes for the call: the verdict's, plus one per decoding step
 
 
 class Proposer(Protocol):
@@ -69,8 +73,22 @@ class Proposer(Protocol):
 
 class Verifier(Protocol):
     def verify(
-        self, session_id: str, committed_ids: list[int], draft: Draft, sampling: SamplingConfig, seed: int
+        self, session_id: str, committed_ids: list[int], draft: Draft, sampling: SamplingConfig, seed: int,
+        decode: Decode = ...,
     ) -> Verdict: ...
+
+
+@dataclass(frozen=True)
+class Decode:
+    """Plain decoding steps the target may take after a round's verdict, in the same call (multi-step
+    decoding): up to `steps` more tokens, ending after any of `stop_ids`. Each is what a K = 0 round
+    at its position would commit, keyed draws included."""
+
+    steps: int = 0
+    stop_ids: frozenset[int] = frozenset()
+
+
+NO_DECODE = Decode()
 
 
 NO_DRAFT = Draft([])
@@ -78,7 +96,7 @@ NO_DRAFT = Draft([])
 
 @dataclass(frozen=True)
 class Round:
-    new_ids: list[int]  # d[0..a) + [next]
+    new_ids: list[int]  # d[0..a) + [next], then the decoding steps' tokens
     num_drafted: int
     num_accepted: int
     draft_ms: float
@@ -87,6 +105,7 @@ class Round:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per new token, when asked for
     draft: Draft = NO_DRAFT  # what was verified, with its worker's costs
     verdict: Verdict | None = None
+    passes: int = 1  # the target's: the verdict's, plus one per decoding step
 
 
 class Speculator:
@@ -106,9 +125,10 @@ class Speculator:
         self._rounds = 0
         self.prefetch_hits = 0
 
-    def round(self, committed_ids: list[int], k: int, proposer: Proposer | None = None) -> Round:
+    def round(self, committed_ids: list[int], k: int, proposer: Proposer | None = None,
+              decode: Decode = NO_DECODE) -> Round:
         """One round with K draft tokens from `proposer` (default: the speculator's own, the only one
-        that overlaps: a round with another discards the bet)."""
+        that overlaps: a round with another discards the bet), and `decode`'s plain steps after it."""
         started = time.perf_counter()
         proposer = proposer or self.proposer
         overlaps = proposer is self.proposer and self.executor is not None
@@ -127,10 +147,10 @@ class Speculator:
         if pending is not None or (self._warmup is not None and not self._warmup[0].done()):
             draft = replace(draft, drafting_meanwhile=True)  # the target keeps to its share of the cores
         verify_started = time.perf_counter()
-        verdict = self.verifier.verify(self.session_id, committed_ids, draft, self.sampling, self.seed)
+        verdict = self.verifier.verify(self.session_id, committed_ids, draft, self.sampling, self.seed, decode)
         verified = time.perf_counter()
         a = verdict.num_accepted
-        new_ids = draft.token_ids[:a] + [verdict.next_token_id]
+        new_ids = draft.token_ids[:a] + [verdict.next_token_id] + verdict.decoded_ids
         if pending is not None and a < len(draft.token_ids):
             token.cancel()  # the bet assumed the whole block; don't wait for it
         elif pending is not None:
@@ -148,6 +168,7 @@ class Speculator:
             logprobs=verdict.logprobs,
             draft=draft,
             verdict=verdict,
+            passes=verdict.passes,
         )
 
     def _propose(self, proposer: Proposer, committed_ids: list[int], k: int) -> Draft:

@@ -6,7 +6,8 @@ A block of K tokens from a method whose tokens the target accepts with probabili
 E(alpha, K) = (1 - alpha^(K+1)) / (1 - alpha) tokens per round. The policy picks the method and K
 with the most expected tokens per millisecond of the round's predicted wall time:
 
-    none     V_solo(n) + o_v
+    none     (s + 1) V_solo(n) + o_v, serving s + 1 tokens: s plain decoding steps follow the verdict
+             in the same call (multi-step decoding, the coordinator's --decode-steps)
     n-gram   V_solo(n + K) + o_v, serving n - 1 + E tokens: this session's block joins a pass of n
     model    V(n (K + 1)) + o_v + D(n) K + o_d
              with overlap, when the bet wins (probability alpha^(K+1)): the larger of the two parts,
@@ -33,7 +34,8 @@ for free: its lookup for the committed tokens is compared with what the target c
 draft's is learnt when it drafts; while something else wins, it is retried for one round every
 PROBE_EVERY, and only if an optimistic acceptance would make it the best choice at the current costs.
 
-K = 0 needs no acceptance: its cost is V_solo, which every plain pass measures.
+K = 0 needs no acceptance: its cost is V_solo, which every plain pass measures (a call of several
+passes reports their mean).
 
 Seeded sampling stays reproducible: which positions were drafted decides which keyed draws make a
 sampled token, so a sampled request's choices must depend on nothing that timing or other sessions
@@ -245,7 +247,7 @@ class Costs:
         v, d, s = rnd.verdict, rnd.draft, self.smoothing
         with self._lock:
             if v is not None and 0 < v.batch_tokens and v.batch_prefill_tokens <= PREFILL_PER_SESSION * v.batch_size:
-                self._line(v.threads).observe(v.batch_tokens, v.compute_ms)
+                self._line(v.threads).observe(v.batch_tokens, v.compute_ms / v.passes)
                 self.verify_overhead_ms += s * (max(0.0, rnd.verify_ms - v.compute_ms) - self.verify_overhead_ms)
                 self.batch += s * (v.batch_size - self.batch)
             if (d.from_worker and d.batch_size > 0 and rnd.num_drafted > 0
@@ -284,13 +286,13 @@ class Costs:
             self._verify[threads] = Line(self.prior.verify_ms, self.prior.verify_ms_per_token)
         return self._verify[threads]
 
-    def verify_ms(self, tokens: float, solo: bool) -> float:
-        """A pass over `tokens` tokens: on the most threads the target has used (`solo`, while no draft
-        worker is busy) or the fewest, with the call's overhead."""
+    def verify_ms(self, tokens: float, solo: bool, passes: int = 1) -> float:
+        """A call of `passes` passes over `tokens` tokens each: on the most threads the target has used
+        (`solo`, while no draft worker is busy) or the fewest, with the call's overhead."""
         with self._lock:
             seen = sorted(t for t, line in self._verify.items() if line.count)
             line = self._line((seen[-1] if solo else seen[0]) if seen else 0)
-            return line(tokens) + self.verify_overhead_ms
+            return passes * line(tokens) + self.verify_overhead_ms
 
     def draft_ms(self, k: int, sessions: float) -> float:
         with self._lock:
@@ -311,8 +313,9 @@ class SpeculationPolicy:
     """One session's choices. `methods`: what it may draft with (K = 0 is always a candidate)."""
 
     def __init__(self, costs: Costs, methods: frozenset[str], overlap: bool, max_k: int | None = None,
-                 ngram: NgramProposer | None = None):
+                 ngram: NgramProposer | None = None, decode_steps: int = 0):
         self.costs, self.methods, self.overlap, self.max_k = costs, methods, overlap, max_k
+        self.decode_steps = decode_steps  # plain steps a round without a draft takes after its verdict
         self.ngram = ngram or NgramProposer()  # whose lookup n-gram rounds would propose
         self.alpha = {m: Rate(costs.prior_acceptance(m)) for m in (MODEL, NGRAM)}
         self._lookup: list[int] = []
@@ -321,9 +324,10 @@ class SpeculationPolicy:
 
     def choose(self, committed_ids: list[int], max_k: int) -> Choice:
         """This round's method and K, at most max_k (and the policy's own ceiling)."""
+        steps = min(self.decode_steps, max(0, max_k))  # what the coordinator asks a plain round for
         max_k = max_k if self.max_k is None else min(max_k, self.max_k)
         self._lookup = self.ngram.continuation(committed_ids, max(NGRAM_KS)) if NGRAM in self.methods else []
-        best = Choice(NONE, 0, 1.0 / self.costs.verify_ms(self.costs.load, solo=True))
+        best = Choice(NONE, 0, (steps + 1) / self.costs.verify_ms(self.costs.load, solo=True, passes=steps + 1))
         if max_k <= 0:
             return best
         options = [best]

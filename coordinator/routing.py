@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from coordinator.loop import NO_DECODE
 from specdec_core.errors import Unavailable
 from specdec_core.logs import short_id
 
@@ -266,9 +267,9 @@ class Routed:
                               lambda c: c.propose(session_id, committed_ids, num_tokens, sampling, seed,
                                                   min_confidence))
 
-    def verify(self, session_id, committed_ids, draft, sampling, seed):
+    def verify(self, session_id, committed_ids, draft, sampling, seed, decode=NO_DECODE):
         return self.pool.call(session_id, self.routes.setdefault(session_id, {}),
-                              lambda c: c.verify(session_id, committed_ids, draft, sampling, seed))
+                              lambda c: c.verify(session_id, committed_ids, draft, sampling, seed, decode))
 
     def release(self, session_id: str) -> None:
         for client in self.pool.clients():

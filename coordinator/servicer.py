@@ -46,6 +46,7 @@ def request_from_proto(msg: pb.GenerationInput) -> GenerationRequest:
         num_speculative_tokens=spec.num_speculative_tokens if spec.HasField("num_speculative_tokens") else None,
         adaptive=spec.adaptive,
         overlap=spec.overlap if spec.HasField("overlap") else None,
+        decode_steps=spec.decode_steps if spec.HasField("decode_steps") else None,
         min_draft_confidence=spec.min_draft_confidence,
         session_id=msg.session_id,
         request_id=msg.request_id,
@@ -64,6 +65,7 @@ def stats_to_proto(s: RequestStats | SessionStats) -> pb.SpeculationStats:
         max_verify_batch_size=getattr(s, "max_verify_batch_size", 0),
         model_rounds=getattr(s, "model_rounds", 0),
         ngram_rounds=getattr(s, "ngram_rounds", 0),
+        decoded=getattr(s, "decoded", 0),
     )
 
 

@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.cancel import call_cancel
-from coordinator.loop import Draft, Verdict
+from coordinator.loop import NO_DECODE, Decode, Draft, Verdict
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec_core.errors import (
     Cancelled,
@@ -196,16 +196,18 @@ class TargetClient(WorkerClient):
         super().__init__("target", address, timeout_s, retry_budget_s, channel)
         self.stub = target_pb2_grpc.TargetStub(self.channel)
 
-    def verify(self, session_id, committed_ids, draft: Draft, sampling: SamplingConfig, seed) -> Verdict:
+    def verify(self, session_id, committed_ids, draft: Draft, sampling: SamplingConfig, seed,
+               decode: Decode = NO_DECODE) -> Verdict:
         response = self.call(self.stub.Verify, target_pb2.VerifyRequest(
             session_id=session_id, committed_ids=committed_ids, draft_ids=draft.token_ids,
             draft_distributions=[common_pb2.SparseDistribution(token_ids=i, probs=p) for i, p in draft.dists],
             sampling=sampling_to_proto(sampling), seed=seed,
             draft_in_flight=draft.drafting_meanwhile or DRAFTS_IN_FLIGHT.busy,
+            decode_steps=decode.steps, stop_token_ids=sorted(decode.stop_ids),
         ))
         return Verdict(response.num_accepted, response.next_token_id, response.compute_ms, response.batch_size,
                        logprobs_from_proto(response.logprobs), response.batch_tokens, response.threads,
-                       response.batch_prefill_tokens)
+                       response.batch_prefill_tokens, list(response.decoded_ids), max(1, response.passes))
 
     def release(self, session_id: str) -> None:
         self.call(self.stub.ReleaseTargetCache, target_pb2.ReleaseTargetCacheRequest(session_id=session_id))

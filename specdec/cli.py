@@ -108,6 +108,9 @@ def _generation_flags(p: argparse.ArgumentParser, max_new_tokens: int | None = N
                    help="draft the next block while the target verifies this one (default: the server's)")
     p.add_argument("--min-draft-confidence", type=float, default=0.0,
                    help="end a draft block when the draft's confidence falls below this")
+    p.add_argument("--decode-steps", type=int, default=None,
+                   help="plain tokens a round without a draft asks the target for after its verdict, in one "
+                        "call (default: the server's; 0: one token per call, smoothest streaming)")
 
 
 def _stack_flags(p: argparse.ArgumentParser) -> None:
@@ -128,7 +131,8 @@ def _gen_kwargs(a: argparse.Namespace) -> dict:
     return dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                 min_p=a.min_p, presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
                 repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop, draft=a.draft, k=a.k,
-                adaptive=a.adaptive, overlap=a.overlap, min_draft_confidence=a.min_draft_confidence)
+                adaptive=a.adaptive, overlap=a.overlap, min_draft_confidence=a.min_draft_confidence,
+                decode_steps=a.decode_steps)
 
 
 def stream_to_terminal(client: Client, prompt, quiet: bool = False, **kwargs) -> dict:

@@ -48,6 +48,7 @@ def build_input(
     adaptive: bool = False,
     overlap: bool | None = None,
     min_draft_confidence: float = 0.0,
+    decode_steps: int | None = None,
     session_id: str = "",
     request_id: str = "",
     min_p: float = 0.0,
@@ -85,6 +86,8 @@ def build_input(
     msg.speculation.min_draft_confidence = min_draft_confidence
     if overlap is not None:
         msg.speculation.overlap = overlap
+    if decode_steps is not None:
+        msg.speculation.decode_steps = decode_steps
     if k is not None:
         msg.speculation.num_speculative_tokens = k
     return msg

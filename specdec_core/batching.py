@@ -13,9 +13,10 @@ missing, the engine waits for it a little longer than the window: a quarter of t
 time, at most 20 ms (or `regroup_s`). A session that ended is missed once: the batch formed without
 it is the next one's reference.
 
-A task may take several batches: a step that answers AGAIN for it has done a part of it (a chunk of
-a long prefill) and runs it again in the next batch, ahead of anything queued, so that a long task
-shares the engine with the short ones instead of stalling them.
+A task may take several batches: a step that answers `Again` for it has done a part of it (a chunk
+of a long prefill, one of several decoding steps) and runs it, or the rest it names, in the next
+batch, ahead of anything queued, so that a long task shares the engine with the short ones instead
+of stalling them.
 
 Admission: a full queue answers RESOURCE_EXHAUSTED at once instead of growing latency without
 bound, and so does a task whose deadline the work ahead of it would miss: the rest of the batch
@@ -45,12 +46,15 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-class _Again:
-    def __repr__(self) -> str:
-        return "AGAIN"
+@dataclass(frozen=True)
+class Again:
+    """A step's result for a task that it has only partly done: run it again in the next batch, as
+    `rest` if given (what is left of it), else as it is."""
+
+    rest: object = None
 
 
-AGAIN = _Again()  # a step's result for a task that it has only partly done: run it again next batch
+AGAIN = Again()
 
 
 @dataclass
@@ -62,7 +66,7 @@ class _Pending(Generic[T]):
 
 
 class BatchQueue(Generic[T, R]):
-    def __init__(self, process: Callable[[list[T]], list[R | BaseException | _Again]], window_s: float = 0.001,
+    def __init__(self, process: Callable[[list[T]], list[R | BaseException | Again]], window_s: float = 0.001,
                  max_batch: int = 32, max_queue: int = 256, name: str = "batch", regroup_s: float | None = None):
         self.process = process
         self.window_s = window_s
@@ -133,7 +137,9 @@ class BatchQueue(Generic[T, R]):
         elapsed = time.monotonic() - started
         self._batch_s = elapsed if not self._batch_s else 0.8 * self._batch_s + 0.2 * elapsed
         for pending, result in zip(live, results):
-            if result is AGAIN:
+            if isinstance(result, Again):
+                if result.rest is not None:
+                    pending.task = result.rest
                 self._deferred.append(pending)
             elif isinstance(result, BaseException):
                 pending.future.set_exception(result)

@@ -10,6 +10,8 @@ MAX_SESSION_ID_CHARS = 128
 _SESSION_ID = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_SESSION_ID_CHARS}}}")  # the store makes uuid4 hex ids
 
 
+MAX_DECODE_STEPS = 64  # plain decoding steps one Verify call may take after its verdict
+
 MAX_REQUEST_ID_CHARS = 128
 _REQUEST_ID = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_REQUEST_ID_CHARS}}}")
 

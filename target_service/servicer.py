@@ -27,6 +27,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                 seed=request.seed,
                 draft_dists=[(list(d.token_ids), list(d.probs)) for d in request.draft_distributions],
                 draft_in_flight=request.draft_in_flight,
+                decode_steps=request.decode_steps,
+                stop_ids=frozenset(request.stop_token_ids),
             ),
             lambda: not context.is_active(),
             call_deadline(context),
@@ -41,6 +43,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             batch_tokens=result.batch_tokens,
             threads=result.threads,
             batch_prefill_tokens=result.batch_prefill_tokens,
+            decoded_ids=result.decoded_ids,
+            passes=result.passes,
         )
 
     @grpc_errors

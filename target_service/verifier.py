@@ -1,5 +1,8 @@
 """Verification: one forward pass over the uncached tail of the committed sequence plus the
-draft tokens, then the exact rule from `acceptance`. K = 0 is plain target decoding.
+draft tokens, then the exact rule from `acceptance`. K = 0 is plain target decoding. A call may ask
+for a few plain decoding steps after its verdict (multi-step decoding, as vLLM's multi-step
+scheduling does): each is one more pass, batched with the other sessions' rounds, so that plain
+decoding pays the RPC and the coordinator's round once per call instead of once per token.
 
 Concurrent requests from different sessions are verified together: their tails go through the
 model in one batched pass (each with its own cache length and K) when the backend can batch.
@@ -13,14 +16,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from specdec_core import metrics
-from specdec_core.batching import AGAIN, BatchQueue
+from specdec_core.batching import AGAIN, Again, BatchQueue
 from specdec_core.errors import InvalidArgument, ResourceExhausted
 from specdec_core.kvcache import CachedSequence, SessionCaches
+from specdec_core.limits import MAX_DECODE_STEPS
 from specdec_core.logs import short_id
 from specdec_core.sampling import (
     Purpose,
@@ -37,6 +41,26 @@ from target_service.acceptance import verify_greedy, verify_sampled
 
 
 @dataclass(frozen=True)
+class VerifyResult:
+    num_accepted: int
+    next_token_id: int
+    prefill_tokens: int
+    compute_ms: float  # every pass of the call
+    batch_size: int = 1
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per committed token, when asked for
+    batch_tokens: int = 0  # tokens in the verdict's forward pass, all sessions together
+    threads: int = 0  # intra-op threads it ran on
+    batch_prefill_tokens: int = 0  # of batch_tokens, committed tokens the caches did not hold
+    decoded_ids: list[int] = field(default_factory=list)  # the decoding steps' tokens, after next_token_id
+    passes: int = 1  # the verdict's, plus one per decoding step
+
+    def then(self, step: VerifyResult) -> VerifyResult:
+        """This result followed by a decoding step's token."""
+        return replace(self, decoded_ids=self.decoded_ids + [step.next_token_id], logprobs=self.logprobs + step.logprobs,
+                       compute_ms=self.compute_ms + step.compute_ms, passes=self.passes + 1)
+
+
+@dataclass(frozen=True)
 class VerifyTask:
     session_id: str
     committed_ids: list[int]
@@ -46,19 +70,9 @@ class VerifyTask:
     # Sparse (token_ids, probs) per draft token when sampling; empty when greedy.
     draft_dists: list[tuple[list[int], list[float]]] = field(default_factory=list)
     draft_in_flight: bool = False  # the coordinator had a draft worker's call in flight when it sent this
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    num_accepted: int
-    next_token_id: int
-    prefill_tokens: int
-    compute_ms: float
-    batch_size: int = 1
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # per committed token, when asked for
-    batch_tokens: int = 0  # tokens in the forward pass, all sessions together
-    threads: int = 0  # intra-op threads it ran on
-    batch_prefill_tokens: int = 0  # of batch_tokens, committed tokens the caches did not hold
+    decode_steps: int = 0  # after the verdict, up to this many plain decoding steps, one pass each
+    stop_ids: frozenset[int] = frozenset()  # tokens that end the decoding steps
+    so_far: VerifyResult | None = None  # a decoding step's: what the call's earlier passes committed
 
 
 class CoreShare:
@@ -112,7 +126,7 @@ class Verifier:
                 try:
                     leased.append((i, stack.enter_context(self.caches.lease(task.session_id, task.committed_ids))))
                 except Exception as exc:  # noqa: BLE001 - that session alone fails, never its batch
-                    results[i] = exc
+                    results[i] = exc if task.so_far is None else task.so_far  # a decoding step: what it has
             leased = self._admit(tasks, leased, results)
             if not leased:
                 return results
@@ -138,9 +152,23 @@ class Verifier:
         metrics.FORWARD_SECONDS.labels("target").observe(compute_ms / 1e3)
         metrics.VERIFY_BATCH.observe(len(leased) + len(chunked))
         for i, num_accepted, next_token, logprobs in decided:
-            results[i] = VerifyResult(num_accepted, next_token, prefill[i], compute_ms, len(leased) + len(chunked),
-                                      logprobs, batch_tokens, threads, batch_prefill)
+            result = VerifyResult(num_accepted, next_token, prefill[i], compute_ms, len(leased) + len(chunked),
+                                  logprobs, batch_tokens, threads, batch_prefill)
+            results[i] = self._next_step(tasks[i], result if tasks[i].so_far is None else tasks[i].so_far.then(result))
         return results
+
+    def _next_step(self, task: VerifyTask, result: VerifyResult) -> VerifyResult | Again:
+        """Multi-step decoding: the call's answer, or (while it has decoding steps left, no stop token
+        came, and the context has room) its next step, a K = 0 round on what this pass committed. It
+        runs in the next batch, beside the other sessions' rounds, and draws its token exactly as a
+        K = 0 round at its position would: one call saves the RPC and the coordinator's round trip
+        of every step but the last."""
+        last = result.decoded_ids[-1] if result.decoded_ids else result.next_token_id
+        committed = task.committed_ids + task.draft_ids[:result.num_accepted] + [last]  # (a step has no draft)
+        if task.decode_steps <= 0 or last in task.stop_ids or len(committed) >= self.max_context:
+            return result
+        return Again(replace(task, committed_ids=committed, draft_ids=[], draft_dists=[],
+                             decode_steps=task.decode_steps - 1, so_far=result))
 
     def _admit(self, tasks: list[VerifyTask], leased: list[tuple[int, CachedSequence]],
                results: list) -> list[tuple[int, CachedSequence]]:
@@ -148,7 +176,9 @@ class Verifier:
         others are refused alone, so that one session's admission never fails its batch."""
         fits = self.caches.reserve([(seq, len(tasks[i].committed_ids) + len(tasks[i].draft_ids)) for i, seq in leased])
         for (i, _), ok in zip(leased, fits):
-            if not ok:
+            if not ok and tasks[i].so_far is not None:  # a decoding step: the call answers what it has
+                results[i] = tasks[i].so_far
+            elif not ok:
                 results[i] = ResourceExhausted(
                     f"target KV cache full: no room for session {short_id(tasks[i].session_id)} now, every cached "
                     f"session is in use (capacity {self.caches.capacity} units); retry")
@@ -183,12 +213,16 @@ class Verifier:
         if not task.committed_ids:
             raise InvalidArgument("committed_ids", "must not be empty")
         validate_sampling(task.sampling, vocab_size=self.vocab_size)
-        for name, ids in (("committed_ids", task.committed_ids), ("draft_ids", task.draft_ids)):
+        for name, ids in (("committed_ids", task.committed_ids), ("draft_ids", task.draft_ids),
+                          ("stop_token_ids", sorted(task.stop_ids))):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidArgument(name, f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
         if len(task.committed_ids) + len(task.draft_ids) > self.max_context:
             raise InvalidArgument("draft_ids", f"sequence would exceed the model's context of {self.max_context}")
+        if not 0 <= task.decode_steps <= MAX_DECODE_STEPS:
+            raise InvalidArgument("decode_steps", f"must be in 0..{MAX_DECODE_STEPS}, got {task.decode_steps}")
+
         if task.sampling.is_greedy:
             return
         if len(task.draft_dists) != len(task.draft_ids):

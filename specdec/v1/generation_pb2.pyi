@@ -53,18 +53,20 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("method", "num_speculative_tokens", "adaptive", "overlap", "min_draft_confidence")
+    __slots__ = ("method", "num_speculative_tokens", "adaptive", "overlap", "min_draft_confidence", "decode_steps")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
     MIN_DRAFT_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     method: DraftMethod
     num_speculative_tokens: int
     adaptive: bool
     overlap: bool
     min_draft_confidence: float
-    def __init__(self, method: _Optional[_Union[DraftMethod, str]] = ..., num_speculative_tokens: _Optional[int] = ..., adaptive: _Optional[bool] = ..., overlap: _Optional[bool] = ..., min_draft_confidence: _Optional[float] = ...) -> None: ...
+    decode_steps: int
+    def __init__(self, method: _Optional[_Union[DraftMethod, str]] = ..., num_speculative_tokens: _Optional[int] = ..., adaptive: _Optional[bool] = ..., overlap: _Optional[bool] = ..., min_draft_confidence: _Optional[float] = ..., decode_steps: _Optional[int] = ...) -> None: ...
 
 class GenerationInput(_message.Message):
     __slots__ = ("prompt", "messages", "token_ids", "sampling", "max_new_tokens", "stop", "stop_token_ids", "speculation", "session_id", "request_id", "end_session")
@@ -115,7 +117,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., session_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "wall_ms", "draft_ms", "verify_ms", "overhead_ms", "last_k", "max_verify_batch_size", "model_rounds", "ngram_rounds")
+    __slots__ = ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "wall_ms", "draft_ms", "verify_ms", "overhead_ms", "last_k", "max_verify_batch_size", "model_rounds", "ngram_rounds", "decoded")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +131,7 @@ class SpeculationStats(_message.Message):
     MAX_VERIFY_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     NGRAM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DECODED_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     drafted: int
     accepted: int
@@ -142,7 +145,8 @@ class SpeculationStats(_message.Message):
     max_verify_batch_size: int
     model_rounds: int
     ngram_rounds: int
-    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., wall_ms: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., last_k: _Optional[int] = ..., max_verify_batch_size: _Optional[int] = ..., model_rounds: _Optional[int] = ..., ngram_rounds: _Optional[int] = ...) -> None: ...
+    decoded: int
+    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., wall_ms: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., last_k: _Optional[int] = ..., max_verify_batch_size: _Optional[int] = ..., model_rounds: _Optional[int] = ..., ngram_rounds: _Optional[int] = ..., decoded: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("session_id", "text", "token_ids", "finish_reason", "usage", "stats", "logprobs")

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "committed_ids", "draft_ids", "draft_distributions", "sampling", "seed", "draft_in_flight")
+    __slots__ = ("session_id", "committed_ids", "draft_ids", "draft_distributions", "sampling", "seed", "draft_in_flight", "decode_steps", "stop_token_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class VerifyRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     committed_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -23,10 +25,12 @@ class VerifyRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     seed: int
     draft_in_flight: bool
-    def __init__(self, session_id: _Optional[str] = ..., committed_ids: _Optional[_Iterable[int]] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., draft_in_flight: _Optional[bool] = ...) -> None: ...
+    decode_steps: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., committed_ids: _Optional[_Iterable[int]] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., draft_in_flight: _Optional[bool] = ..., decode_steps: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token_id", "prefill_tokens", "compute_ms", "batch_size", "logprobs", "batch_tokens", "threads", "batch_prefill_tokens")
+    __slots__ = ("num_accepted", "next_token_id", "prefill_tokens", "compute_ms", "batch_size", "logprobs", "batch_tokens", "threads", "batch_prefill_tokens", "decoded_ids", "passes")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +40,8 @@ class VerifyResponse(_message.Message):
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
     BATCH_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODED_IDS_FIELD_NUMBER: _ClassVar[int]
+    PASSES_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token_id: int
     prefill_tokens: int
@@ -45,7 +51,9 @@ class VerifyResponse(_message.Message):
     batch_tokens: int
     threads: int
     batch_prefill_tokens: int
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., batch_tokens: _Optional[int] = ..., threads: _Optional[int] = ..., batch_prefill_tokens: _Optional[int] = ...) -> None: ...
+    decoded_ids: _containers.RepeatedScalarFieldContainer[int]
+    passes: int
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., batch_tokens: _Optional[int] = ..., threads: _Optional[int] = ..., batch_prefill_tokens: _Optional[int] = ..., decoded_ids: _Optional[_Iterable[int]] = ..., passes: _Optional[int] = ...) -> None: ...
 
 class ReleaseTargetCacheRequest(_message.Message):
     __slots__ = ("session_id",)

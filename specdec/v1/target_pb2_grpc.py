@@ -27,7 +27,8 @@ if _version_not_supported:
 
 class TargetStub:
     """Internal: the target worker. Verify runs one forward pass over the uncached tail of the
-    committed sequence plus the draft tokens and applies the exact accept/reject rule.
+    committed sequence plus the draft tokens and applies the exact accept/reject rule; then, if asked,
+    decodes a few more tokens plainly in the same call (multi-step decoding: one call, several passes).
     """
 
     def __init__(self, channel):
@@ -55,7 +56,8 @@ class TargetStub:
 
 class TargetServicer:
     """Internal: the target worker. Verify runs one forward pass over the uncached tail of the
-    committed sequence plus the draft tokens and applies the exact accept/reject rule.
+    committed sequence plus the draft tokens and applies the exact accept/reject rule; then, if asked,
+    decodes a few more tokens plainly in the same call (multi-step decoding: one call, several passes).
     """
 
     def Verify(self, request, context):
@@ -107,7 +109,8 @@ def add_TargetServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Target:
     """Internal: the target worker. Verify runs one forward pass over the uncached tail of the
-    committed sequence plus the draft tokens and applies the exact accept/reject rule.
+    committed sequence plus the draft tokens and applies the exact accept/reject rule; then, if asked,
+    decodes a few more tokens plainly in the same call (multi-step decoding: one call, several passes).
     """
 
     @staticmethod

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from coordinator.cancel import call_cancel
-from coordinator.loop import Draft, Speculator, Verdict, _Bet
+from coordinator.loop import NO_DECODE, Draft, Speculator, Verdict, _Bet
 from specdec_core.errors import ResourceExhausted
 from specdec_core.sampling import SamplingConfig
 
@@ -45,7 +45,7 @@ class ScriptedVerifier:
     def __init__(self, accepted: int, next_tokens: list[int]):
         self.accepted, self.next_tokens = accepted, list(next_tokens)
 
-    def verify(self, session_id, committed_ids, draft, sampling, seed):
+    def verify(self, session_id, committed_ids, draft, sampling, seed, decode=NO_DECODE):
         return Verdict(min(self.accepted, len(draft.token_ids)), self.next_tokens.pop(0))
 
 

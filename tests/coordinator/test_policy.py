@@ -173,3 +173,22 @@ def test_a_gated_model_is_neither_chosen_nor_retried():
     for _ in range(8):
         costs.active += 1
     assert {policy.choose([1, 2], 100).method for _ in range(3 * PROBE_EVERY)} == {NONE}
+
+
+def test_plain_rounds_with_decoding_steps_are_valued_per_token():
+    """With --decode-steps, a plain round is s + 1 passes in one call: it pays the call's overhead
+    once. A draft whose gain lies between one plain pass and s + 1 of them loses to it, and a
+    call's mean pass (compute over passes) is what the line learns."""
+    costs = Costs()
+    for _ in range(60):  # passes at 8 sessions: 40 ms each, and 30 ms of overhead per call
+        costs.observe(Round([1], 0, 0, 0.0, 70.0, 8, [], Draft([]), Verdict(0, 1, 40.0, 8, [], 8, 2)))
+        costs.observe(Round([1] * 5, 0, 0, 0.0, 190.0, 8, [], Draft([]),
+                            Verdict(0, 1, 160.0, 8, [], 8, 2, decoded_ids=[1] * 3, passes=4), passes=4))
+    assert costs.verify_ms(8, solo=True) == pytest.approx(40 + 30, rel=0.05)
+    assert costs.verify_ms(8, solo=True, passes=4) == pytest.approx(4 * 40 + 30, rel=0.05)
+    one = SpeculationPolicy(costs, frozenset(), overlap=False).choose([1, 2, 3], max_k=100)
+    four = SpeculationPolicy(costs, frozenset(), overlap=False, decode_steps=3).choose([1, 2, 3], max_k=100)
+    assert one.method == four.method == NONE
+    assert one.gain == pytest.approx(1 / 70, rel=0.05) and four.gain == pytest.approx(4 / 190, rel=0.05)
+    capped = SpeculationPolicy(costs, frozenset(), overlap=False, decode_steps=3).choose([1, 2, 3], max_k=1)
+    assert capped.gain == pytest.approx(2 / 110, rel=0.05)  # one token left after the verdict's: one step

@@ -37,8 +37,9 @@ def test_greedy_identical_to_target_alone(client, hf_greedy, k, overlap):
         assert result.token_ids == hf_greedy(ids, 40)
         if k and not overlap:  # with overlap, greedy rounds never wait for the draft: it may miss them all
             assert result.stats["drafted"] > 0
-        elif not k:
-            assert result.stats["drafted"] == 0 and result.stats["rounds"] == len(result.token_ids)
+        elif not k:  # plain rounds after the first decode a few more tokens in the target (--decode-steps 4)
+            assert result.stats["drafted"] == 0 and result.stats["decoded"] > 0
+            assert result.stats["rounds"] + result.stats["decoded"] == len(result.token_ids)  # a pass a token
 
 
 @pytest.mark.lossless

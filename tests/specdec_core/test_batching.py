@@ -163,3 +163,19 @@ def test_a_task_answered_again_runs_in_the_next_batch_beside_the_new_ones():
     while not answers and time.monotonic() < deadline:
         time.sleep(0.001)
     assert answers == ["short done"]
+
+
+def test_a_task_answered_again_with_its_rest_runs_as_that_next():
+    """Multi-step work: `Again(rest)` replaces the task by what is left of it; the caller gets the
+    answer of the last part."""
+    from specdec_core.batching import Again
+
+    seen = []
+
+    def process(tasks):
+        seen.extend(tasks)
+        return [Again(t - 1) if t > 0 else "done" for t in tasks]
+
+    q = BatchQueue(process, window_s=0.0, max_batch=8, regroup_s=0.0)
+    assert q.submit(3, "countdown") == "done"
+    assert seen == [3, 2, 1, 0]
