@@ -256,7 +256,7 @@ class Generation:
                 finish = Finish.CONTEXT
             _count_round(stats, rnd)
             stats.last_k = k
-            stats.decoded += rnd.passes - 1
+            stats.decoded += len(rnd.verdict.decoded_ids)
             if rnd.num_drafted:
                 stats.model_rounds += rnd.draft.from_worker
                 stats.ngram_rounds += not rnd.draft.from_worker

@@ -64,20 +64,6 @@ class Verdict:
     passes: int = 1  # the target's passes for the call: the verdict's, plus one per decoding step
 
 
-class Proposer(Protocol):
-    def propose(
-        self, session_id: str, committed_ids: list[int], num_tokens: int, sampling: SamplingConfig, seed: int,
-        min_confidence: float = 0.0,
-    ) -> Draft: ...
-
-
-class Verifier(Protocol):
-    def verify(
-        self, session_id: str, committed_ids: list[int], draft: Draft, sampling: SamplingConfig, seed: int,
-        decode: Decode = ...,
-    ) -> Verdict: ...
-
-
 @dataclass(frozen=True)
 class Decode:
     """Plain decoding steps the target may take after a round's verdict, in the same call (multi-step
@@ -89,6 +75,20 @@ class Decode:
 
 
 NO_DECODE = Decode()
+
+
+class Proposer(Protocol):
+    def propose(
+        self, session_id: str, committed_ids: list[int], num_tokens: int, sampling: SamplingConfig, seed: int,
+        min_confidence: float = 0.0,
+    ) -> Draft: ...
+
+
+class Verifier(Protocol):
+    def verify(
+        self, session_id: str, committed_ids: list[int], draft: Draft, sampling: SamplingConfig, seed: int,
+        decode: Decode = NO_DECODE,
+    ) -> Verdict: ...
 
 
 NO_DRAFT = Draft([])
@@ -105,7 +105,6 @@ class Round:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per new token, when asked for
     draft: Draft = NO_DRAFT  # what was verified, with its worker's costs
     verdict: Verdict | None = None
-    passes: int = 1  # the target's: the verdict's, plus one per decoding step
 
 
 class Speculator:
@@ -168,7 +167,6 @@ class Speculator:
             logprobs=verdict.logprobs,
             draft=draft,
             verdict=verdict,
-            passes=verdict.passes,
         )
 
     def _propose(self, proposer: Proposer, committed_ids: list[int], k: int) -> Draft:

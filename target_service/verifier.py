@@ -155,14 +155,30 @@ class Verifier:
             result = VerifyResult(num_accepted, next_token, prefill[i], compute_ms, len(leased) + len(chunked),
                                   logprobs, batch_tokens, threads, batch_prefill)
             results[i] = self._next_step(tasks[i], result if tasks[i].so_far is None else tasks[i].so_far.then(result))
-        return results
+        return self._end_together(tasks, results)
+
+    @staticmethod
+    def _end_together(tasks: list[VerifyTask], results: list) -> list:
+        """Where a call of this pass ends, the greedy calls that would take another step end too."""
+        if not any(isinstance(r, VerifyResult) for r in results):
+            return results
+        return [r.rest.so_far if isinstance(r, Again) and isinstance(r.rest, VerifyTask) and t.sampling.is_greedy
+                else r for t, r in zip(tasks, results)]
 
     def _next_step(self, task: VerifyTask, result: VerifyResult) -> VerifyResult | Again:
         """Multi-step decoding: the call's answer, or (while it has decoding steps left, no stop token
         came, and the context has room) its next step, a K = 0 round on what this pass committed. It
         runs in the next batch, beside the other sessions' rounds, and draws its token exactly as a
         K = 0 round at its position would: one call saves the RPC and the coordinator's round trip
-        of every step but the last."""
+        of every step but the last.
+
+        Calls end together: when a call in a pass ends, the greedy calls in their decoding steps end
+        with it (`_end_together`). Sessions then go back to their coordinators, and come back, at
+        the same time, and the engine waits for them once per call instead of at every pass: out of
+        step (8 sessions whose calls end at different passes) the engine waited at nearly every pass
+        for a session that was just then in its coordinator. Sampled calls always take all their steps:
+        where a round ends decides which keyed draws make their tokens, and that must not depend on
+        timing, for a seed to give the same tokens."""
         last = result.decoded_ids[-1] if result.decoded_ids else result.next_token_id
         committed = task.committed_ids + task.draft_ids[:result.num_accepted] + [last]  # (a step has no draft)
         if task.decode_steps <= 0 or last in task.stop_ids or len(committed) >= self.max_context:

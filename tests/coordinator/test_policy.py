@@ -183,7 +183,7 @@ def test_plain_rounds_with_decoding_steps_are_valued_per_token():
     for _ in range(60):  # passes at 8 sessions: 40 ms each, and 30 ms of overhead per call
         costs.observe(Round([1], 0, 0, 0.0, 70.0, 8, [], Draft([]), Verdict(0, 1, 40.0, 8, [], 8, 2)))
         costs.observe(Round([1] * 5, 0, 0, 0.0, 190.0, 8, [], Draft([]),
-                            Verdict(0, 1, 160.0, 8, [], 8, 2, decoded_ids=[1] * 3, passes=4), passes=4))
+                            Verdict(0, 1, 160.0, 8, [], 8, 2, decoded_ids=[1] * 3, passes=4)))
     assert costs.verify_ms(8, solo=True) == pytest.approx(40 + 30, rel=0.05)
     assert costs.verify_ms(8, solo=True, passes=4) == pytest.approx(4 * 40 + 30, rel=0.05)
     one = SpeculationPolicy(costs, frozenset(), overlap=False).choose([1, 2, 3], max_k=100)

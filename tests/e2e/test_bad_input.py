@@ -38,6 +38,8 @@ def client(tiny_stack):
         ([5, -1], {}, "token_ids"),
         ("hi", {"k": 33}, "speculation.num_speculative_tokens"),
         ("hi", {"min_draft_confidence": 1.5}, "speculation.min_draft_confidence"),
+        ("hi", {"decode_steps": 65}, "speculation.decode_steps"),
+        ("hi", {"decode_steps": -1}, "speculation.decode_steps"),
         ("hi", {"stop": [""]}, "stop"),
         ("hi", {"stop_token_ids": [10**7]}, "stop_token_ids"),
         ([{"role": "wizard", "content": "x"}], {}, "messages[0].role"),

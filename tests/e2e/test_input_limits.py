@@ -191,3 +191,18 @@ def test_workers_check_the_session_id(tiny_stack, session_id):
             code, details = status_of(call)
             assert code == grpc.StatusCode.INVALID_ARGUMENT, details
             assert details.startswith("session_id:"), details
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("request_fields, field", [
+    ({"decode_steps": 65}, "decode_steps"),
+    ({"decode_steps": -2}, "decode_steps"),
+    ({"decode_steps": 3, "stop_token_ids": [49152]}, "stop_token_ids"),
+])
+def test_the_target_checks_decoding_steps(tiny_stack, request_fields, field):
+    with grpc.insecure_channel(tiny_stack.address("target")) as channel:
+        target = target_pb2_grpc.TargetStub(channel)
+        code, details = status_of(lambda: target.Verify(
+            target_pb2.VerifyRequest(session_id="s", committed_ids=[1, 2], **request_fields), timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert details.startswith(field + ":"), details

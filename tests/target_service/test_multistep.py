@@ -110,3 +110,23 @@ def test_bad_decode_requests_name_their_field(model):
         v.verify(VerifyTask("x", [1, 2, 3], [], GREEDY, decode_steps=65))
     with pytest.raises(InvalidArgument, match="stop_token_ids"):
         v.verify(VerifyTask("x", [1, 2, 3], [], GREEDY, decode_steps=2, stop_ids=frozenset({VOCAB})))
+
+
+def test_greedy_calls_end_with_the_call_beside_them_and_sampled_ones_take_every_step(model):
+    """Calls end together: where a call in a pass ends, a greedy call in its decoding steps ends
+    with it (its tokens so far are its answer; the next call goes on from them, so the output is
+    the same), so that the sessions come back to the engine together. A sampled call takes all its
+    steps: where its rounds end must not depend on what it was batched with."""
+    from specdec_core.batching import Again
+
+    v = verifier(model)
+    greedy = VerifyTask("g", ids(10, 8), [], GREEDY, decode_steps=6)
+    sampled = VerifyTask("s", ids(11, 9), [], SAMPLED, seed=3, decode_steps=6)
+    first = v._verify_batch([greedy, sampled])  # nothing ends here: both go on
+    assert all(isinstance(r, Again) for r in first)
+    ending = VerifyTask("e", ids(12, 10), [], GREEDY)  # a call of one pass
+    second = v._verify_batch([first[0].rest, first[1].rest, ending])
+    assert isinstance(second[0], VerifyResult) and second[0].passes == 2  # ended with "e"
+    assert isinstance(second[1], Again) and second[1].rest.so_far.passes == 2  # goes on
+    expected, _ = plain_rounds(verifier(model), greedy.committed_ids, [], GREEDY, 2)
+    assert [second[0].next_token_id, *second[0].decoded_ids] == expected
