@@ -153,7 +153,7 @@ def _sampling(kind: str, body: dict) -> common_pb2.SamplingParams:
 
 def _speculation(body: dict, spec: pb.SpeculationParams) -> None:
     """The `speculation` extension: {"method": "model"|"ngram"|"none", "num_speculative_tokens",
-    "adaptive", "overlap"}."""
+    "adaptive", "overlap", "decode_steps"}."""
     given = body.get("speculation") or {}
     if not isinstance(given, dict):
         raise invalid("speculation", "must be an object")
@@ -166,6 +166,8 @@ def _speculation(body: dict, spec: pb.SpeculationParams) -> None:
     spec.adaptive = _bool(given, "adaptive", False, "speculation.")
     if given.get("overlap") is not None:
         spec.overlap = _bool(given, "overlap", True, "speculation.")
+    if given.get("decode_steps") is not None:
+        spec.decode_steps = _int(given, "decode_steps", None, "speculation.")
 
 
 def _stop(body: dict) -> list[str]:

@@ -65,8 +65,10 @@ def test_completions_prompt_forms():
 
 
 def test_sessions_and_speculation_extensions():
-    p = parse(session_id="abc", speculation={"method": "ngram", "num_speculative_tokens": 6, "overlap": False})
+    p = parse(session_id="abc", speculation={"method": "ngram", "num_speculative_tokens": 6, "overlap": False,
+                                             "decode_steps": 0})
     msg = p.jobs[0].input
+    assert msg.speculation.HasField("decode_steps") and msg.speculation.decode_steps == 0
     assert msg.session_id == "abc" and not msg.end_session and p.keep_session
     assert (msg.speculation.method, msg.speculation.num_speculative_tokens) == (pb.DRAFT_METHOD_NGRAM, 6)
     assert msg.speculation.HasField("overlap") and not msg.speculation.overlap
