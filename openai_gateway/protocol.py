@@ -291,6 +291,7 @@ def speculation(stats: list[pb.SpeculationStats]) -> dict:
     accepted = sum(s.accepted for s in stats)
     return {
         "rounds": rounds, "drafted_tokens": drafted, "accepted_tokens": accepted,
+        "decoded_tokens": sum(s.decoded for s in stats),
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_accepted_length": (accepted + rounds) / rounds if rounds else 0.0,
         "draft_ms": sum(s.draft_ms for s in stats), "verify_ms": sum(s.verify_ms for s in stats),

@@ -159,7 +159,8 @@ def stream_to_terminal(client: Client, prompt, quiet: bool = False, **kwargs) ->
 
 def format_stats(s: dict) -> str:
     return (f"[{s['completion_tokens']} tokens in {s['client_wall_s']:.2f} s = {s['tokens_per_s']:.1f} tok/s | "
-            f"TTFT {s['ttft_ms']:.0f} ms | rounds {s['rounds']} | acceptance {s['acceptance_rate']:.0%} "
+            f"TTFT {s['ttft_ms']:.0f} ms | rounds {s['rounds']}"
+            f"{f' + {d} decoded' if (d := s.get('decoded')) else ''} | acceptance {s['acceptance_rate']:.0%} "
             f"({s['accepted']}/{s['drafted']}) | {s['mean_accepted_length']:.2f} tokens/round | "
             f"draft {s['draft_ms']:.0f} ms, verify {s['verify_ms']:.0f} ms, other {s['overhead_ms']:.0f} ms | "
             f"{s['finish_reason'].removeprefix('FINISH_REASON_').lower()} | session {s['session_id']}]")
@@ -267,7 +268,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
             same = "identical" if spec["completion_tokens"] == base["completion_tokens"] else "different"
             print(f"\nspeedup: {spec['tokens_per_s'] / base['tokens_per_s']:.2f}x "
                   f"({spec['tokens_per_s']:.1f} vs {base['tokens_per_s']:.1f} tokens/s; output length {same}); "
-                  f"acceptance {spec['acceptance_rate']:.0%}, {spec['mean_accepted_length']:.2f} tokens per target pass",
+                  f"acceptance {spec['acceptance_rate']:.0%}, {spec['mean_accepted_length']:.2f} tokens per verify round",
                   file=sys.stderr)
     finally:
         _stop(stack)

@@ -126,9 +126,9 @@ def test_logprob_shapes():
 
 def test_speculation_stats_sum_the_choices():
     stats = [pb.SpeculationStats(rounds=4, drafted=12, accepted=6, draft_ms=10, verify_ms=20, wall_ms=40),
-             pb.SpeculationStats(rounds=6, drafted=8, accepted=4, draft_ms=5, verify_ms=30, wall_ms=50)]
+             pb.SpeculationStats(rounds=6, drafted=8, accepted=4, draft_ms=5, verify_ms=30, wall_ms=50, decoded=3)]
     s = protocol.speculation(stats)
-    assert (s["rounds"], s["drafted_tokens"], s["accepted_tokens"]) == (10, 20, 10)
+    assert (s["rounds"], s["drafted_tokens"], s["accepted_tokens"], s["decoded_tokens"]) == (10, 20, 10, 3)
     assert s["acceptance_rate"] == 0.5 and s["mean_accepted_length"] == 2.0 and s["wall_ms"] == 50
 
 
