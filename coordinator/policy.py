@@ -24,9 +24,10 @@ with the most expected tokens per millisecond of the round's predicted wall time
   (a burst is known before its passes are measured). The model draft is weighed as if every session
   at this load drafted alike: the draft worker is shared, and one session's drafting slows everyone.
 
-Under load the parts stop adding up: sessions fall out of step and wait in each other's batches, and
-a model round at c8 here took up to 3x its predicted time. So whether the model may be used at all,
-with two or more requests running, is measured rather than predicted: the DraftGate below.
+Under load the parts stop adding up: sessions fall out of step and wait in each other's batches, a
+model round at c8 here took up to 3x its predicted time, and n-gram at c8 on grounded prompts served
+0.66x plain decoding while the cost model rated it higher. So which methods may be used at all, with
+two or more requests running, is measured rather than predicted: the MethodGate below.
 
 Acceptance is per session and per method, starting from what this coordinator's sessions have seen
 lately (a new request does not relearn that the draft loses here). n-gram's is scored on every round
@@ -148,38 +149,46 @@ class Prior:
     draft_overhead_ms: float = 2.0
 
 
-class DraftGate:
-    """Whether the draft model may be used at the current load, decided by measuring tokens, not by
+PLAIN, NGRAM_ONLY, ALL = frozenset(), frozenset({NGRAM}), frozenset({NGRAM, MODEL})
+MODES = (PLAIN, NGRAM_ONLY, ALL)  # what the gate may allow, plainest first
+
+
+class MethodGate:
+    """Which drafting methods may be used at the current load, decided by measuring tokens, not by
     the cost model. Alone, a round costs what its parts add up to, and the cost model predicts it.
     Under load it does not: sessions fall out of step and wait in each other's batches, draft and
-    target share the cores with the coordinator, and a round at c8 here cost up to 3x its parts. So
-    at each load level (requests running here: 2, 3-4, 5-8, 9-16, ...) the coordinator measures the
-    tokens per second of a session's rounds in epochs with the model allowed and without it (n-gram
-    and plain decoding stay allowed in both), keeps the better, and re-tests the other now and then.
-    The first SETTLE_S of an epoch are not counted: bets in flight and the target's threads change
-    with the mode. Greedy requests only: what it decides depends on timing."""
+    target share the cores with the coordinator, a session's n-gram block cuts short the others'
+    multi-step calls, and a round at c8 here cost up to 3x its parts. So at each load level
+    (requests running here: 2, 3-4, 5-8, 9-16, ...) the coordinator measures a session's tokens per
+    ms of its rounds in epochs of each mode (plain decoding only; n-gram too; the draft model too),
+    keeps the best (a mode that drafts more only if it serves MARGIN more), and after EXPLOIT_S tests
+    the others again against what the kept mode served meanwhile: the traffic may have changed.
+    An epoch lasts EPOCH_S and at least MIN_ROUNDS rounds that began in it after SETTLE_S (bets in
+    flight and the target's threads change with the mode). Greedy requests only: what it decides
+    depends on timing."""
 
-    EPOCH_S = 1.0  # a test of one mode
+    EPOCH_S = 1.0
     SETTLE_S = 0.3
-    EXPLOIT_S = 3600.0  # the better mode, before the other is tested again (what decides it persists)
-    MARGIN = 0.05  # the model must serve this much more to be kept: drafting also costs the other sessions
+    MIN_ROUNDS = 16
+    EXPLOIT_S = 30.0
+    MARGIN = 0.05  # drafting also costs the other sessions
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
         self._levels: dict[int, _Level] = {}
         self._lock = threading.Lock()
 
-    def allows_model(self, running: int) -> bool:
+    def allowed(self, running: int) -> frozenset[str]:
         if running <= 1:
-            return True
+            return ALL
         with self._lock:
             return self._level(running).mode(self.clock())
 
-    def observe(self, running: int, tokens: int, round_ms: float, drafted_by_model: bool) -> None:
+    def observe(self, running: int, tokens: int, round_ms: float) -> None:
         if running <= 1:
             return
         with self._lock:
-            self._level(running).observe(self.clock(), tokens, round_ms, drafted_by_model)
+            self._level(running).observe(self.clock(), tokens, round_ms)
 
     def _level(self, running: int) -> _Level:
         level = 1 << (running - 1).bit_length()  # 2, 4, 8, 16, ...
@@ -192,37 +201,39 @@ class _Level:
     """One load level's epochs: each mode's measured tokens per ms of a session's round."""
 
     def __init__(self, now: float):
-        self.rate: dict[bool, float | None] = {True: None, False: None}  # None: not measured (yet)
-        self.allowed, self.untested = True, {True, False}
-        self.started, self.until = now, now + DraftGate.EPOCH_S
-        self.tokens, self.ms = 0, 0.0
+        self.rate: dict[frozenset[str], float] = {}  # each mode's last measurement
+        self.untested = list(MODES)
+        self.allowed = self.untested.pop()  # the richest first
+        self.exploiting = False
+        self._start(now, MethodGate.EPOCH_S)
 
-    def mode(self, now: float) -> bool:
-        if now >= self.until:
-            if self.ms > 0:
-                measured = self.tokens / self.ms
-                old = self.rate[self.allowed]
-                self.rate[self.allowed] = measured if old is None else 0.5 * (old + measured)
-            if not self.untested:  # the end of an exploitation: test the other mode again
-                self.untested = {not self.allowed}
-            self.untested.discard(self.allowed)
-            if self.untested:
-                self.allowed, span = self.untested.pop(), DraftGate.EPOCH_S
-                self.untested.add(self.allowed)
-            else:  # both tested: keep the better (the model only with evidence that it serves more)
-                yes, no = self.rate[True], self.rate[False]
-                self.allowed = yes is not None and (no is None or yes > (1 + DraftGate.MARGIN) * no)
-                span = DraftGate.EXPLOIT_S
-            self.started, self.until, self.tokens, self.ms = now, now + span, 0, 0.0
+    def _start(self, now: float, span: float) -> None:
+        self.started, self.until, self.tokens, self.ms, self.rounds = now, now + span, 0, 0.0, 0
+
+    def mode(self, now: float) -> frozenset[str]:
+        if now < self.until or (not self.exploiting and self.rounds < MethodGate.MIN_ROUNDS):
+            return self.allowed
+        if self.ms > 0:
+            self.rate[self.allowed] = self.tokens / self.ms
+        if self.exploiting:  # test the others again against what this one served meanwhile
+            self.untested = [m for m in MODES if m != self.allowed]
+        if self.untested:
+            self.allowed, self.exploiting = self.untested.pop(), False
+            self._start(now, MethodGate.EPOCH_S)
+        else:
+            best = PLAIN
+            for m in MODES[1:]:
+                if self.rate.get(m, 0.0) > (1 + MethodGate.MARGIN) * self.rate.get(best, 0.0):
+                    best = m
+            self.allowed, self.exploiting = best, True
+            self._start(now, MethodGate.EXPLOIT_S)
         return self.allowed
 
-    def observe(self, now: float, tokens: int, round_ms: float, drafted_by_model: bool) -> None:
-        """With the model allowed, only its rounds count: the others in that epoch (a draft warming
-        up, n-gram, plain) are what the other mode measures."""
-        settled = now - round_ms / 1e3 >= self.started + DraftGate.SETTLE_S  # the round ran in this epoch
-        if settled and (drafted_by_model or not self.allowed):
+    def observe(self, now: float, tokens: int, round_ms: float) -> None:
+        if now - round_ms / 1e3 >= self.started + MethodGate.SETTLE_S:  # the round ran in this epoch
             self.tokens += tokens
             self.ms += round_ms
+            self.rounds += 1
 
 
 class Costs:
@@ -236,7 +247,7 @@ class Costs:
         self.draft_overhead_ms = prior.draft_overhead_ms
         self.batch = 1.0
         self.active = 0  # requests running now (the coordinator keeps it)
-        self.gate = DraftGate()
+        self.gate = MethodGate()
         # each method's acceptance over every session here: where a new session starts from
         self.acceptance = {MODEL: Rate(OPTIMISTIC_ALPHA, forget=0.98), NGRAM: Rate(0.3, forget=0.98)}
         self._lock = threading.Lock()
@@ -321,6 +332,7 @@ class SpeculationPolicy:
         self._lookup: list[int] = []
         self._since_model = 0
         self._method = NONE
+        self._rounds = 0
 
     def choose(self, committed_ids: list[int], max_k: int) -> Choice:
         """This round's method and K, at most max_k (and the policy's own ceiling)."""
@@ -331,9 +343,10 @@ class SpeculationPolicy:
         if max_k <= 0:
             return best
         options = [best]
-        if self._lookup:
+        allowed = self.methods & self.costs.gate.allowed(self.costs.active) if self.costs.learns else self.methods
+        if self._lookup and NGRAM in allowed:
             options += [self._ngram(k) for k in NGRAM_KS if k <= min(max_k, len(self._lookup))]
-        model = MODEL in self.methods and (not self.costs.learns or self.costs.gate.allows_model(self.costs.active))
+        model = MODEL in allowed
         if model:
             alpha = self.alpha[MODEL].value
             options += [self._model(k, alpha) for k in MODEL_KS if k <= max_k]
@@ -363,9 +376,9 @@ class SpeculationPolicy:
     def observe(self, rnd: Round) -> None:
         """Learn from the round just verified: the costs (shared), each method's acceptance."""
         self.costs.observe(rnd)
-        if self.costs.learns:
-            self.costs.gate.observe(self.costs.active, len(rnd.new_ids), rnd.draft_ms + rnd.verify_ms,
-                                    rnd.num_drafted > 0 and rnd.draft.from_worker)
+        if self.costs.learns and self._rounds:  # not the first round: it prefilled
+            self.costs.gate.observe(self.costs.active, len(rnd.new_ids), rnd.draft_ms + rnd.verify_ms)
+        self._rounds += 1
         if rnd.num_drafted and rnd.draft.from_worker:
             self._accept(MODEL, rnd.num_accepted, min(rnd.num_drafted, rnd.num_accepted + 1))
         if self._lookup:

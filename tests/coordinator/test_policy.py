@@ -7,13 +7,16 @@ import pytest
 
 from coordinator.loop import Draft, Round, Verdict
 from coordinator.policy import (
+    ALL,
+    NGRAM_ONLY,
+    PLAIN,
     FIXED,
     MODEL,
     NGRAM,
     NONE,
     PROBE_EVERY,
     Costs,
-    DraftGate,
+    MethodGate,
     Line,
     SpeculationPolicy,
     expected_tokens,
@@ -134,45 +137,60 @@ def test_a_new_session_starts_from_what_the_sessions_before_it_learnt():
     assert FIXED.prior_acceptance(MODEL) == pytest.approx(0.7)  # sampled requests: always the same start
 
 
-def test_the_draft_gate_keeps_the_mode_that_serves_more_and_retests_the_other():
-    """Under load the gate measures, per load level, a session's tokens per ms with the draft model
-    allowed and without it, in epochs of a fake clock, and keeps the better."""
+def test_the_method_gate_keeps_the_mode_that_serves_more_and_retests_the_others():
+    """Under load the gate measures, per load level, a session's tokens per ms with each mode (plain
+    only, n-gram too, the model too), in epochs of a fake clock, and keeps the best; when the
+    traffic changes, the next tests find it."""
     now = [0.0]
-    gate = DraftGate(clock=lambda: now[0])
-    speeds = {True: 1 / 250, False: 1 / 50}  # tokens per ms: at c8 here, the draft model loses
+    gate = MethodGate(clock=lambda: now[0])
+    speeds = {PLAIN: 1 / 50, NGRAM_ONLY: 1 / 70, ALL: 1 / 250}  # tokens per ms: at c8 here, drafting loses
 
-    def run(seconds: float, running: int = 8) -> list[bool]:
+    def run(seconds: float, running: int = 8) -> list[frozenset]:
         modes = []
         end = now[0] + seconds
         while now[0] < end:
-            allowed = gate.allows_model(running)
-            modes.append(allowed)
-            ms = 1 / speeds[allowed]
+            mode = gate.allowed(running)
+            modes.append(mode)
+            ms = 1 / speeds[mode]
             now[0] += ms / 1e3
-            gate.observe(running, 1, ms, drafted_by_model=allowed)
+            gate.observe(running, 1, ms)
         return modes
 
-    assert set(run(DraftGate.EPOCH_S)) == {True}  # a new level first tests the model...
-    assert set(run(DraftGate.EPOCH_S)) == {False}  # ...then plain
-    assert set(run(DraftGate.EXPLOIT_S - 1)) == {False}  # and keeps what served more
-    assert True in run(2 * DraftGate.EPOCH_S)  # until it tests the other again
-    assert gate.allows_model(1)  # alone, the cost model decides
-    assert set(run(DraftGate.EPOCH_S, running=3)) == {True}  # another level starts afresh
+    def phases(modes: list[frozenset]) -> list[frozenset]:
+        return [m for i, m in enumerate(modes) if i == 0 or modes[i - 1] != m]
+
+    explored = run(10)  # a new level tests each mode, the richest first, for MIN_ROUNDS rounds each...
+    assert phases(explored) == [ALL, NGRAM_ONLY, PLAIN]
+    assert min(explored.count(m) for m in (ALL, NGRAM_ONLY)) > MethodGate.MIN_ROUNDS
+    assert set(run(MethodGate.EXPLOIT_S - 10)) == {PLAIN}  # ...and keeps what served more
+    speeds[NGRAM_ONLY] = 1 / 20  # the traffic changes: text that repeats
+    assert phases(run(20)) == [PLAIN, ALL, NGRAM_ONLY]  # the next tests find it, and keep it
+    speeds[NGRAM_ONLY] = 1 / 49  # not MARGIN more than plain: plain, which costs the others nothing
+    assert phases(run(2 * MethodGate.EXPLOIT_S + 20))[-1] == PLAIN
+    assert gate.allowed(1) == ALL  # alone, the cost model decides
+    assert gate.allowed(3) == ALL  # another level starts afresh
 
 
-def test_a_gated_model_is_neither_chosen_nor_retried():
+def test_a_gated_method_is_neither_chosen_nor_retried():
     now = [0.0]
     costs = Costs()
-    costs.gate = DraftGate(clock=lambda: now[0])
-    costs.gate._level(8).allowed = False
-    costs.gate._level(8).until = 1e9
+    costs.gate = MethodGate(clock=lambda: now[0])
+    level = costs.gate._level(8)
+    level.allowed, level.exploiting, level.until = PLAIN, True, 1e9
     feed(costs, batch=1, verify={1: (20.0, 2.0)}, draft_ms_per_token=1.0)  # the cost model loves the draft
-    policy = trained(SpeculationPolicy(costs, frozenset({MODEL}), overlap=True), accepted_of_5=5)
+    policy = trained(SpeculationPolicy(costs, BOTH, overlap=True), accepted_of_5=5)
+    text = [5, 6, 7, 8, 9, 10, 11, 12]
+    committed = [1, 2] + text + [3] + text[:2]  # the lookup has a match
     with costs.running():
-        assert policy.choose([1, 2], 100).method == MODEL
+        assert policy.choose(committed, 100).method == MODEL
     for _ in range(8):
         costs.active += 1
-    assert {policy.choose([1, 2], 100).method for _ in range(3 * PROBE_EVERY)} == {NONE}
+    assert {policy.choose(committed, 100).method for _ in range(3 * PROBE_EVERY)} == {NONE}
+    level.allowed = NGRAM_ONLY
+    for _ in range(12):  # plain rounds that commit what the lookup proposed: n-gram scored meanwhile
+        policy.choose(committed, 0)
+        policy.observe(a_round(text[2:3]))
+    assert policy.choose(committed, 100).method == NGRAM
 
 
 def test_plain_rounds_with_decoding_steps_are_valued_per_token():
