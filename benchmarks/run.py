@@ -60,6 +60,7 @@ VLLM_SETS = ("chat", GROUNDED_SET)
 PINNED = ("model_k5_overlap", "model_k5_no_overlap")
 PINNED_NAME = "overlap_pinned"
 WARMUP = [{"role": "user", "content": "Say hello."}]
+WARM_UP_TOKENS = 32  # per request of the unmeasured batch before each level's rows
 MIXED_LONG = 2  # long prompts arriving in the mixed-load scenario
 LONG_INDEX = 1000  # their prompt indexes start here (the chat sessions' at 0)
 
@@ -217,6 +218,13 @@ def concurrent(prompt_set: str, prompts: list[list[dict]], plan: Plan, stack, pr
     rows = []
     for j, c in enumerate(lv for lv in plan.levels if lv > 1):
         jobs = [(i % len(prompts), prompts[i % len(prompts)]) for i in range(max(len(prompts), c))]
+        # Unmeasured, first: c requests of each configuration, so that no row pays for the shapes
+        # this level is the first to use (oneDNN primitives, pool growth) or for the policy's first
+        # tests at this load (a service under sustained traffic has made them).
+        progress(f"[main {prompt_set} c{c}] warming up every configuration ({WARM_UP_TOKENS} tokens, {c} requests)")
+        for name in plan.configs:
+            stacks.run_batch(stack.address("coordinator"), jobs[:c], c,
+                             {**SPECDEC[name], "max_new_tokens": WARM_UP_TOKENS}, lambda request, started: None)
         for name in plan.configs[::-1] if j % 2 else plan.configs:
             options = {**SPECDEC[name], "max_new_tokens": plan.max_new_tokens}
             count = [0, 0]
@@ -302,6 +310,8 @@ def bench_vllm(plan: Plan, progress: Progress, log_dir: Path, save: Callable[[li
                 out += sequential("main", prompt_set, prompts, runners, plan.max_new_tokens, progress)
                 if top > 1:
                     jobs = [(i % len(prompts), prompts[i % len(prompts)]) for i in range(max(len(prompts), top))]
+                    peer.run_batch(jobs[:top], top, lambda request, started: None,
+                                   max_new_tokens=WARM_UP_TOKENS)  # unmeasured, as the specdec rows'
                     peer.probe.reset()
                     requests, wall = peer.run_batch(jobs, top, lambda request, started: None,
                                                     max_new_tokens=plan.max_new_tokens)

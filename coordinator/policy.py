@@ -160,18 +160,25 @@ class MethodGate:
     target share the cores with the coordinator, a session's n-gram block cuts short the others'
     multi-step calls, and a round at c8 here cost up to 3x its parts. So at each load level
     (requests running here: 2, 3-4, 5-8, 9-16, ...) the coordinator measures a session's tokens per
-    ms of its rounds in epochs of each mode (plain decoding only; n-gram too; the draft model too),
-    keeps the best (a mode that drafts more only if it serves MARGIN more), and after EXPLOIT_S tests
-    the others again against what the kept mode served meanwhile: the traffic may have changed.
-    An epoch lasts EPOCH_S and at least MIN_ROUNDS rounds that began in it after SETTLE_S (bets in
-    flight and the target's threads change with the mode). Greedy requests only: what it decides
-    depends on timing."""
+    ms of its rounds in epochs of each mode (plain decoding only; n-gram too; the draft model too)
+    and keeps the best (a mode that drafts more only if it serves MARGIN more).
+
+    - A test lasts EPOCH_S and MIN_ROUNDS rounds that began in it after SETTLE_S (bets in flight and
+      the target's threads change with the mode), or fewer once it has served under half the best.
+    - After EXPLOIT_ROUNDS rounds (traffic, not seconds: an idle level learns nothing) the others
+      are tested again against what the kept mode served meanwhile: the traffic may have changed. A
+      mode that lost by more than LOSER waits twice as many exploitations for each such loss in a
+      row (up to MAX_WAIT): testing the draft model where it loses costs its prefill of every context.
+
+    Greedy requests only: what it decides depends on timing."""
 
     EPOCH_S = 1.0
     SETTLE_S = 0.3
     MIN_ROUNDS = 16
-    EXPLOIT_S = 30.0
+    EXPLOIT_ROUNDS = 400
     MARGIN = 0.05  # drafting also costs the other sessions
+    LOSER = 0.8
+    MAX_WAIT = 8
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
@@ -193,40 +200,61 @@ class MethodGate:
     def _level(self, running: int) -> _Level:
         level = 1 << (running - 1).bit_length()  # 2, 4, 8, 16, ...
         if level not in self._levels:
-            self._levels[level] = _Level(self.clock())
+            self._levels[level] = _Level(level, self.clock())
         return self._levels[level]
 
 
 class _Level:
-    """One load level's epochs: each mode's measured tokens per ms of a session's round."""
+    """One load level's tests and exploitations: each mode's measured tokens per ms of a session's round."""
 
-    def __init__(self, now: float):
+    def __init__(self, level: int, now: float):
+        self.level = level
         self.rate: dict[frozenset[str], float] = {}  # each mode's last measurement
-        self.untested = list(MODES)
-        self.allowed = self.untested.pop()  # the richest first
+        self.losses = dict.fromkeys(MODES, 0)  # tests in a row lost by more than LOSER
+        self.wait = dict.fromkeys(MODES, 0)  # exploitations before the next test
+        self.untested = list(MODES[::-1])
+        self.measured = set(MODES)  # in this cycle of tests
+        self.allowed = self.untested.pop()  # plain first: what the others' tests are held against
         self.exploiting = False
-        self._start(now, MethodGate.EPOCH_S)
+        self._start(now)
 
-    def _start(self, now: float, span: float) -> None:
-        self.started, self.until, self.tokens, self.ms, self.rounds = now, now + span, 0, 0.0, 0
+    def _start(self, now: float) -> None:
+        self.started, self.tokens, self.ms, self.rounds = now, 0, 0.0, 0
+
+    def _done(self, now: float) -> bool:
+        if self.exploiting:
+            return self.rounds >= MethodGate.EXPLOIT_ROUNDS
+        if now < self.started + MethodGate.EPOCH_S or not self.rounds:
+            return False
+        losing = self.tokens / self.ms < 0.5 * max(self.rate.values(), default=0.0)
+        return self.rounds >= MethodGate.MIN_ROUNDS or (losing and self.rounds >= 4)
 
     def mode(self, now: float) -> frozenset[str]:
-        if now < self.until or (not self.exploiting and self.rounds < MethodGate.MIN_ROUNDS):
+        if not self._done(now):
             return self.allowed
         if self.ms > 0:
             self.rate[self.allowed] = self.tokens / self.ms
-        if self.exploiting:  # test the others again against what this one served meanwhile
-            self.untested = [m for m in MODES if m != self.allowed]
+        if self.exploiting:  # test the others again (those whose wait is over)
+            for m in MODES:
+                self.wait[m] = max(0, self.wait[m] - 1)
+            self.untested = [m for m in MODES[::-1] if m != self.allowed and not self.wait[m]]
+            self.measured = {self.allowed, *self.untested}
         if self.untested:
             self.allowed, self.exploiting = self.untested.pop(), False
-            self._start(now, MethodGate.EPOCH_S)
         else:
             best = PLAIN
             for m in MODES[1:]:
                 if self.rate.get(m, 0.0) > (1 + MethodGate.MARGIN) * self.rate.get(best, 0.0):
                     best = m
+            for m in self.measured:
+                lost = self.rate.get(m, 0.0) < MethodGate.LOSER * self.rate.get(best, 0.0)
+                self.losses[m] = self.losses[m] + 1 if lost else 0
+                self.wait[m] = min(MethodGate.MAX_WAIT, 2 ** self.losses[m])
             self.allowed, self.exploiting = best, True
-            self._start(now, MethodGate.EXPLOIT_S)
+            log.info("method gate at %d-%d requests running: %s (tokens per s of a session's rounds: %s)",
+                     self.level // 2 + 1, self.level, _name(best),
+                     ", ".join(f"{_name(m)} {1e3 * self.rate.get(m, 0.0):.1f}" for m in MODES))
+        self._start(now)
         return self.allowed
 
     def observe(self, now: float, tokens: int, round_ms: float) -> None:
@@ -234,6 +262,10 @@ class _Level:
             self.tokens += tokens
             self.ms += round_ms
             self.rounds += 1
+
+
+def _name(mode: frozenset[str]) -> str:
+    return "+".join(sorted(mode)) or "plain"
 
 
 class Costs:
