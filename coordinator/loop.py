@@ -16,8 +16,9 @@ verdict shows it lost (a draft token rejected), the bet is cancelled at once, so
 worker stops on it and the real next proposal does not queue behind it. Because
 every draw is keyed by (seed, position, purpose), that block is exactly what a fresh proposal on
 the same prefix would have returned, so overlap never changes the output, sampled or greedy.
-With overlap, a greedy request's first rounds do not wait for the draft to prefill the prompt
-either: the target decodes plainly meanwhile, and the draft's proposal becomes a bet like the others.
+With overlap, a greedy request's first rounds with the draft (at its start, or when the policy turns
+to the draft mid-request) do not wait for the draft to prefill the context either: the target decodes
+plainly meanwhile, and the draft's proposal becomes a bet like the others.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ class Speculator:
         self.min_confidence = min_confidence
         self._prefetched: _Bet | None = None
         self._warmup: tuple[Future, int, list[int]] | None = None  # (proposal, prefix length, prefix tail)
-        self._rounds = 0
+        self._warmed = False  # the draft has been asked for this session
         self.prefetch_hits = 0
 
     def round(self, committed_ids: list[int], k: int, proposer: Proposer | None = None,
@@ -138,7 +139,6 @@ class Speculator:
                 draft = self._propose(proposer, committed_ids, k)
         elif draft is None:
             draft = NO_DRAFT
-        self._rounds += 1
         pending = token = None
         if overlaps and draft.token_ids:
             token = CancelToken()
@@ -195,18 +195,21 @@ class Speculator:
             call_cancel.reset(reset)
 
     def _warm_up(self, committed_ids: list[int], k: int) -> Draft | None:
-        """With overlap, a request's first round does not wait for the draft: the draft prefills the
-        prompt (proposing K + 1 tokens after it) while the target decodes plainly, and the rounds stay
-        plain until it is done; its proposal is then a bet like any other. Without this, time to
-        first token is draft prefill + target prefill, one after the other, and on long prompts the
-        draft (a quantized model on few cores) can be the slower of the two.
+        """With overlap, a request's first round with the draft does not wait for it: the draft
+        prefills the context (proposing K + 1 tokens after it) while the target decodes plainly, and
+        the rounds stay plain until it is done; its proposal is then a bet like any other. Without
+        this, time to first token is draft prefill + target prefill, one after the other, and on long
+        prompts the draft (a quantized model on few cores) can be the slower of the two; and when the
+        policy turns to the draft mid-request (eight sessions at once when the method gate tests it),
+        every session would stall for the draft's prefill of its whole context.
 
         Greedy only: which positions a draft covers decides which keyed draws a sampled token
         uses, so plain rounds whose number depends on timing would make a seed's output depend on
         timing (still distributed exactly as the target's, but no longer reproducible)."""
         if self.executor is None or not self.sampling.is_greedy:
             return None
-        if self._rounds == 0:
+        if not self._warmed:
+            self._warmed = True
             token = CancelToken()
             self._warmup = (self._submit(token, committed_ids, k + 1),
                             len(committed_ids), committed_ids[-8:])

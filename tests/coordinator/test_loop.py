@@ -1,5 +1,6 @@
 """The speculative loop's overlap bookkeeping, against in-process Proposer/Verifier objects (the
-Protocols the gRPC clients implement): the first round decodes while the draft warms up, a lost
+Protocols the gRPC clients implement): the first round with the draft (at the start or mid-request)
+decodes while the draft warms up, a lost
 bet is cancelled without waiting for it, a won bet becomes the next block."""
 
 from __future__ import annotations
@@ -69,6 +70,22 @@ def test_first_rounds_decode_plainly_while_the_draft_warms_up():
     assert proposer.calls[0] == (3, 4)
     assert third.num_drafted == 2 and third.new_ids == [12, 13, 14]
     assert spec.prefetch_hits == 1
+
+
+def test_turning_to_the_draft_mid_request_decodes_plainly_while_it_catches_up():
+    """The policy decoded plainly, then chooses the draft: the draft has never seen this context, and
+    the round must not wait for its prefill (the method gate turns every session to it at once)."""
+    proposer = ScriptedProposer()  # the warm-up blocks until released: a round that waited would hang
+    with ThreadPoolExecutor(2) as pool:
+        spec = Speculator("s", GREEDY, 0, proposer, ScriptedVerifier(3, [10, 11, 12, 16]), pool)
+        plain = [spec.round([1, 2, 3], 0), spec.round([1, 2, 3, 10], 0)]
+        turned = spec.round([1, 2, 3, 10, 11], 3)
+        proposer.release.set()
+        wait_warm(spec)
+        block = spec.round([1, 2, 3, 10, 11, 12], 3)
+    assert [r.num_drafted for r in plain] == [0, 0] and proposer.calls[0] == (5, 4)
+    assert (turned.num_drafted, turned.new_ids) == (0, [12])
+    assert block.num_drafted == 3 and block.new_ids == [10, 11, 12, 16]  # drafting again once it caught up
 
 
 def test_sampled_requests_wait_for_the_draft_so_that_seeds_stay_reproducible():
