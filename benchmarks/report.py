@@ -29,8 +29,9 @@ NOTES = [
     "pass each), so tokens per pass and tokens per round differ.",
     "roofline tok/s = c x tokens per round / max(draft ms, verify ms) per round, from the row's own measurements "
     "(the draft ms as the coordinator sees it: under overlap only what was not hidden).",
-    "mixed load: the chat sessions decode with the default policy alone, then again while the longest "
-    "input-grounded prompts arrive (1 s and 2.5 s after the start); ITL is the chat sessions' only.",
+    "mixed load: the chat sessions decode alone, then again while the longest input-grounded prompts arrive "
+    "(1 s and 2.5 s after the start); ITL is the chat sessions' only. mixed_*: the default policy; "
+    "mixed_model_*: model draft K=5 with overlap for every request.",
     "Peak RSS (VmHWM, MB, reset per configuration): d draft, t target, c coordinator, r redis; bench = the benchmark "
     "process, which holds the transformers model and the llama.cpp reference at once. CPU memory only: GPU memory "
     "is not measured.",
@@ -155,15 +156,20 @@ def policy_summary(rows: list[dict], sets: list[str], top: int) -> dict:
     chat_top = [r for r in rows if (r["layout"], r["prompt_set"], r["concurrency"]) == ("main", "chat", top)
                 and r["config"] in (DEFAULT, *FIXED)]
     best = max(chat_top, key=lambda r: r["stats"]["tokens_per_s"] or 0, default=None)
-    alone = find(rows, "mixed", "chat", "mixed_chat_alone", MIXED_CHAT)
-    crowded = find(rows, "mixed", "chat", "mixed_chat_with_long", MIXED_CHAT)
+
+    def mixed_ratio(prefix: str) -> float | None:
+        alone = find(rows, "mixed", "chat", f"{prefix}_chat_alone", MIXED_CHAT)
+        crowded = find(rows, "mixed", "chat", f"{prefix}_chat_with_long", MIXED_CHAT)
+        return ratio(crowded and crowded["itl_ms"]["p99"], alone and alone["itl_ms"]["p99"])
+
     return {
         "policy_vs_best_fixed_min": min(vs_best.values(), default=None),
         "policy_vs_k0_min": min((v for v in vs_k0.values() if v), default=None),
         "c8_chat_roofline_fraction": best and ratio(best["stats"]["tokens_per_s"],
                                                     best["stats"]["roofline_tokens_per_s"]),
         "policy_c1_chat_vs_k0": ratio(tps(rows, "main", "chat", DEFAULT, 1), tps(rows, "main", "chat", "target_k0", 1)),
-        "mixed_itl_p99_ratio": ratio(crowded and crowded["itl_ms"]["p99"], alone and alone["itl_ms"]["p99"]),
+        "mixed_itl_p99_ratio": mixed_ratio("mixed"),
+        "mixed_model_itl_p99_ratio": mixed_ratio("mixed_model"),
         "_policy_vs_best_fixed": vs_best,
         "_policy_vs_k0": vs_k0,
         "_c8_chat_best_config": best and best["config"],
@@ -233,6 +239,8 @@ def summary_notes(top: int, best: str | None, hf_chosen: dict, sets: list[str], 
         "policy_c1_chat_vs_k0": "chat set, c1: the default policy / target_k0",
         "mixed_itl_p99_ratio": f"ITL p99 of {MIXED_CHAT} chat sessions (default policy) while the "
                                "longest input-grounded prompts arrive / without them",
+        "mixed_model_itl_p99_ratio": "the same with the model draft fixed (K=5, overlap): the long prompts go "
+                                     "through the draft worker's batches too",
         "target_peak_rss_c8_mb": f"the target worker's peak RSS (VmHWM) at c{top}, the configuration closest to "
                                  "its bound",
         "target_rss_bound_c8_mb": "that configuration's bound: target weights (fp32 safetensors) + KV of its "

@@ -242,22 +242,25 @@ def concurrent(prompt_set: str, prompts: list[list[dict]], plan: Plan, stack, pr
 
 
 def mixed_load(plan: Plan, stack, progress: Progress) -> list[dict]:
-    """Chat sessions decoding with the default policy, alone and then while the longest
-    input-grounded prompts arrive (the first 1 s after the start, the next 1.5 s later): does a long
-    prefill stall the sessions that are decoding? Rows of the chat sessions only (layout "mixed")."""
+    """Chat sessions decoding, alone and then while the longest input-grounded prompts arrive (the
+    first 1 s after the start, the next 1.5 s later): does a long prefill stall the sessions that are
+    decoding? With the default policy (whose gate may or may not draft at that load) and with the
+    model draft fixed (K = 5, overlap: every long prompt is then prefilled by the draft as well as
+    the target). Rows of the chat sessions only (layout "mixed")."""
     chat = list(enumerate(take("chat", report.MIXED_CHAT)))
     grounded = sorted(enumerate(take(GROUNDED_SET, None)), key=lambda p: -sum(len(m["content"]) for m in p[1]))
     long = [(LONG_INDEX + i, m) for i, m in grounded[:MIXED_LONG]]
     start_after = {index: 1.0 + 1.5 * j for j, (index, _) in enumerate(long)}
-    options = {**SPECDEC["default"], "max_new_tokens": plan.max_new_tokens}
     rows = []
-    for name, jobs in (("mixed_chat_alone", chat), ("mixed_chat_with_long", chat + long)):
-        requests, wall = stacks.run_batch(stack.address("coordinator"), jobs, len(jobs), options,
-                                          lambda request, started: None, start_after)
-        chat_requests = [q for q in requests if q.prompt_index < LONG_INDEX]
-        rows.append(row("mixed", "chat", name, report.MIXED_CHAT, None, chat_requests, wall, {}))
-        itl = [x for q in chat_requests for x in q.itl_ms()]
-        progress(f"[mixed] {name}: chat ITL p50/p99 {percentiles(itl)}")
+    for prefix, config in (("mixed", "default"), ("mixed_model", "model_k5_overlap")):
+        options = {**SPECDEC[config], "max_new_tokens": plan.max_new_tokens}
+        for name, jobs in ((f"{prefix}_chat_alone", chat), (f"{prefix}_chat_with_long", chat + long)):
+            requests, wall = stacks.run_batch(stack.address("coordinator"), jobs, len(jobs), options,
+                                              lambda request, started: None, start_after)
+            chat_requests = [q for q in requests if q.prompt_index < LONG_INDEX]
+            rows.append(row("mixed", "chat", name, report.MIXED_CHAT, SPECDEC[config]["k"], chat_requests, wall, {}))
+            itl = [x for q in chat_requests for x in q.itl_ms()]
+            progress(f"[mixed] {name}: chat ITL p50/p99 {percentiles(itl)}")
     return rows
 
 

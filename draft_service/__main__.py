@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     backend = load_backend(cfg)
     caches = SessionCaches(backend, role="draft", tier=open_tier(cfg.kv_store, backend, model_path(cfg), "draft"),
                            share_prefixes=cfg.kv_store.prefix_sharing)
-    proposer = ModelProposer(caches, backend.max_context, cfg.sparse_top, max_queue=cfg.max_queue)
+    proposer = ModelProposer(caches, backend.max_context, cfg.sparse_top, max_queue=cfg.max_queue,
+                             prefill_chunk=cfg.prefill_chunk)
     service = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
     server = create_server(Lanes(frozenset({f"/{service}/Propose"}), work=cfg.max_queue))
     draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(proposer, cfg.model), server)

@@ -25,6 +25,7 @@ class DraftConfig:
     sparse_top: int = 64
     max_queue: int = 64
     threads: int = 0
+    prefill_chunk: int = 64
     kv_store: KVStoreOptions = KVStoreOptions()
 
     def __post_init__(self):
@@ -32,6 +33,8 @@ class DraftConfig:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.sparse_top < 1:
             raise ValueError("sparse_top must be >= 1")
+        if self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
         if min(self.max_queue, self.max_sessions, self.context_tokens, self.max_cache_tokens) < 1:
             raise ValueError("max_queue, max_sessions, context_tokens and max_cache_tokens must be >= 1")
 
@@ -73,8 +76,14 @@ class DraftConfig:
         p.add_argument("--max-queue", type=int, default=int(env("SPECDEC_DRAFT_MAX_QUEUE", cls.max_queue)),
                        help="Propose calls admitted at once (queued or running); more get RESOURCE_EXHAUSTED at once")
         p.add_argument("--threads", type=int, default=cls.threads, help="compute threads, llama.cpp or torch (0: all cores)")
+        p.add_argument("--prefill-chunk", type=int,
+                       default=int(env("SPECDEC_DRAFT_PREFILL_CHUNK", cls.prefill_chunk)),
+                       help="a context the draft has not seen is prefilled at most this many tokens per batch, "
+                            "beside the other sessions' proposals (0: whole contexts in one batch)")
         KVStoreOptions.add_flags(p, "SPECDEC_DRAFT")
         ServerOptions.add_flags(p, "SPECDEC_DRAFT", port=50051)
         a = p.parse_args(argv)
-        return cls(ServerOptions.from_args(a), a.model, a.backend, a.dtype, a.device, a.max_cache_tokens,
-                   a.max_sessions, a.context_tokens, a.sparse_top, a.max_queue, a.threads, KVStoreOptions.from_args(a))
+        return cls(server=ServerOptions.from_args(a), model=a.model, backend=a.backend, dtype=a.dtype,
+                   device=a.device, max_cache_tokens=a.max_cache_tokens, max_sessions=a.max_sessions,
+                   context_tokens=a.context_tokens, sparse_top=a.sparse_top, max_queue=a.max_queue,
+                   threads=a.threads, prefill_chunk=a.prefill_chunk, kv_store=KVStoreOptions.from_args(a))

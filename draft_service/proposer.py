@@ -7,6 +7,11 @@ verification stays exact (DESIGN.md: a draft may propose from any distribution i
 
 Concurrent proposals from different sessions run in lockstep: their prefills share one model
 step, then each further draft step feeds every still-drafting session's last token together.
+
+A long prefill goes through in chunks of at most `prefill_chunk` tokens, one per batch, beside the
+other sessions' blocks (as in the target): without it, a session whose context the draft has not
+seen (a long prompt, or a session the policy turns to the draft mid-request) holds every other
+session's proposal for its whole prefill: 1.8 s on one core for the benchmark's longest prompts.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specdec_core import metrics
-from specdec_core.batching import BatchQueue
+from specdec_core.batching import AGAIN, BatchQueue
 from specdec_core.errors import InvalidArgument, ResourceExhausted
 from specdec_core.kvcache import CachedSequence, SessionCaches
 from specdec_core.logs import short_id
@@ -73,8 +78,9 @@ class _Drafting:
 
 class ModelProposer:
     def __init__(self, caches: SessionCaches, max_context: int, sparse_top: int = 64, window_s: float = 0.001,
-                 max_batch: int = 32, max_queue: int = 64):
+                 max_batch: int = 32, max_queue: int = 64, prefill_chunk: int = 0):
         self.caches = caches
+        self.prefill_chunk = prefill_chunk  # most uncached tokens of a session per batch (0: no limit)
         self.vocab_size = caches.backend.vocab_size
         self.max_context = max_context
         self.sparse_top = sparse_top
@@ -103,16 +109,21 @@ class ModelProposer:
                     continue
                 drafting[i] = _Drafting(task, seq, k, n - len(seq.token_ids))
             self._admit(drafting, results)
+            chunked = {i: drafting.pop(i) for i in list(drafting) if 0 < self.prefill_chunk < drafting[i].prefill}
+            for i in chunked:  # a chunk of a long prefill: the rest in the next batches, beside others' blocks
+                results[i] = AGAIN
+            chunks = [(d.seq, d.task.committed_ids[len(d.seq.token_ids):][:self.prefill_chunk]) for d in chunked.values()]
             feeds = [(d, d.task.committed_ids[len(d.seq.token_ids):]) for d in drafting.values()]
-            while feeds:
-                logits = self.caches.extend_batch([(d.seq, ids) for d, ids in feeds], [1] * len(feeds))
+            batch_prefill = sum(d.prefill for d in drafting.values()) + sum(len(ids) for _, ids in chunks)
+            while feeds or chunks:
+                logits = self.caches.extend_batch([(d.seq, ids) for d, ids in feeds] + chunks, [1] * (len(feeds) + len(chunks)))
                 feeds = [(d, [token]) for (d, _), rows in zip(feeds, logits)
                          if (token := self._step(d, rows[-1])) is not None and not d.task.is_cancelled()]
+                chunks = []
         compute_ms = (time.perf_counter() - started) * 1e3
         metrics.FORWARD_SECONDS.labels("draft").observe(compute_ms / 1e3)
         for i, d in drafting.items():
-            results[i] = Proposal(d.token_ids, d.dists, d.prefill, compute_ms, len(drafting),
-                                  sum(x.prefill for x in drafting.values()))
+            results[i] = Proposal(d.token_ids, d.dists, d.prefill, compute_ms, len(drafting) + len(chunked), batch_prefill)
         return results
 
     def _admit(self, drafting: dict[int, _Drafting], results: list) -> None:

@@ -177,25 +177,27 @@ def test_num_logits_returns_only_the_trailing_rows(backend):
 @pytest.mark.capacity
 def test_proposer_cycles_many_more_sessions_than_slots_and_falls_back_past_the_draft_context(backend):
     """4 sequence slots, 24 sessions never released, proposals in concurrent batches: idle sessions
-    are evicted to make room, every proposal is the one a fresh sequence gives, and a session longer
-    than the draft's context gets an empty proposal (its round runs at K = 0) without failing the
-    others."""
+    are evicted to make room, every proposal is the one a fresh sequence gives (also when the
+    evicted contexts come back in prefill chunks of 4 tokens, beside other sessions' blocks), and a
+    session longer than the draft's context gets an empty proposal (its round runs at K = 0) without
+    failing the others."""
     from draft_service.proposer import ModelProposer, ProposeTask
     from specdec_core.kvcache import SessionCaches
     from specdec_core.sampling import SamplingConfig
 
     caches = SessionCaches(backend, role="draft-test")
     proposer = ModelProposer(caches, backend.max_context)
+    chunking = ModelProposer(caches, backend.max_context, prefill_chunk=4)
     prompts = [backend.tokenize(PROMPT if i % 2 else OTHER)[: 10 + i % 7] for i in range(24)]
     greedy = SamplingConfig(temperature=0.0)
 
-    def propose(i: int):
-        return proposer.propose(ProposeTask(f"s{i}", prompts[i], 4, greedy)).token_ids
+    def propose(i: int, by: ModelProposer = proposer):
+        return by.propose(ProposeTask(f"s{i}", prompts[i], 4, greedy)).token_ids
 
     expected = [propose(i) for i in range(24)]  # each computed when its session was new
     assert caches.num_sessions <= 4
     with ThreadPoolExecutor(3) as pool:  # batches of up to 3 sessions, 2x around the slots
-        again = list(pool.map(propose, [*range(24), *range(24)]))
+        again = list(pool.map(lambda i: propose(i, chunking), [*range(24), *range(24)]))
     assert again == expected + expected
     assert caches.num_sessions <= 4 and caches.num_free_units >= 0
 
