@@ -294,10 +294,13 @@ def test_seeded_sampling_under_the_default_policy_is_reproducible_at_any_concurr
 
 
 @pytest.mark.lossless
-def test_long_prompts_prefilled_in_chunks_beside_decoding_sessions_are_lossless(tiny_stack, hf_greedy):
+@pytest.mark.parametrize("speculation", [{}, {"draft": "model", "k": 4}], ids=["policy", "model_draft"])
+def test_long_prompts_prefilled_in_chunks_beside_decoding_sessions_are_lossless(tiny_stack, hf_greedy, speculation):
     """The target prefills at most --prefill-chunk (64) tokens of a prompt per pass, between the
-    other sessions' rounds: two long prompts among four short ones, all at once."""
+    other sessions' rounds, and the draft worker at most its --prefill-chunk (32) per batch, beside
+    the other sessions' proposals (every request drafts with the model in the second case): two long
+    prompts among four short ones, all at once."""
     prompts = [[(11 * i + 3 * j) % 3000 + 40 for j in range(n)] for i, n in enumerate((300, 450, 5, 9, 14, 20))]
-    results = generate_at_once(tiny_stack.address("coordinator"), prompts, max_new_tokens=24)
+    results = generate_at_once(tiny_stack.address("coordinator"), prompts, max_new_tokens=24, **speculation)
     for i, ids in enumerate(prompts):
         assert results[i].token_ids == hf_greedy(ids, 24), i
