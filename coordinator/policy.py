@@ -169,10 +169,10 @@ class MethodGate:
       are tested again against what the kept mode served meanwhile: the traffic may have changed. A
       mode that lost by more than LOSER waits twice as many exploitations for each such loss in a
       row (up to MAX_WAIT): testing the draft model where it loses costs its prefill of every context.
-    - Sooner, and every mode again (waits forgotten, the kept one measured afresh), when the kept mode serves under DRIFT of what it
-      served when it was chosen: the traffic changed under it (chat whose text repeats, then code
-      that does not), and a drafting mode kept for 400 rounds of the wrong traffic serves less than
-      plain decoding all that time.
+    - Sooner, and every mode again (waits forgotten, the kept one measured afresh), when the kept
+      mode serves under DRIFT of what it served when it was chosen: the traffic changed under it
+      (chat whose text repeats, then code that does not), and a drafting mode kept for 400 rounds
+      of the wrong traffic serves less than plain decoding all that time.
 
     Greedy requests only: what it decides depends on timing."""
 

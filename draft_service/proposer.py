@@ -112,18 +112,21 @@ class ModelProposer:
             chunked = {i: drafting.pop(i) for i in list(drafting) if 0 < self.prefill_chunk < drafting[i].prefill}
             for i in chunked:  # a chunk of a long prefill: the rest in the next batches, beside others' blocks
                 results[i] = AGAIN
-            chunks = [(d.seq, d.task.committed_ids[len(d.seq.token_ids):][:self.prefill_chunk]) for d in chunked.values()]
+            chunks = [(d.seq, d.task.committed_ids[len(d.seq.token_ids):][:self.prefill_chunk])
+                      for d in chunked.values()]
             feeds = [(d, d.task.committed_ids[len(d.seq.token_ids):]) for d in drafting.values()]
             batch_prefill = sum(d.prefill for d in drafting.values()) + sum(len(ids) for _, ids in chunks)
-            while feeds or chunks:
-                logits = self.caches.extend_batch([(d.seq, ids) for d, ids in feeds] + chunks, [1] * (len(feeds) + len(chunks)))
+            while feeds or chunks:  # the chunks go with the first step (their logits are not read)
+                logits = self.caches.extend_batch([(d.seq, ids) for d, ids in feeds] + chunks,
+                                                  [1] * (len(feeds) + len(chunks)))
                 feeds = [(d, [token]) for (d, _), rows in zip(feeds, logits)
                          if (token := self._step(d, rows[-1])) is not None and not d.task.is_cancelled()]
                 chunks = []
         compute_ms = (time.perf_counter() - started) * 1e3
         metrics.FORWARD_SECONDS.labels("draft").observe(compute_ms / 1e3)
         for i, d in drafting.items():
-            results[i] = Proposal(d.token_ids, d.dists, d.prefill, compute_ms, len(drafting) + len(chunked), batch_prefill)
+            results[i] = Proposal(d.token_ids, d.dists, d.prefill, compute_ms, len(drafting) + len(chunked),
+                                  batch_prefill)
         return results
 
     def _admit(self, drafting: dict[int, _Drafting], results: list) -> None:
