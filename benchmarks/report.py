@@ -18,7 +18,10 @@ MIXED_CHAT = 4  # chat sessions decoding in the mixed-load scenario
 NOTES = [
     "Greedy; one stack serves every specdec configuration (per-request K / overlap / draft method / adaptive).",
     "c1 rows: every prompt through every configuration in turn (order rotated per prompt); aggregate tokens/s = "
-    "tokens / sum of request wall times. c>1 rows: c client threads, aggregate = tokens / batch wall time.",
+    "tokens / sum of request wall times. c>1 rows: c client threads, aggregate = tokens / batch wall time; before "
+    "each level's rows every configuration is warmed up unmeasured (c requests of 32 tokens; the policy's "
+    "configurations a whole row's tokens, so that its method gate has made its first tests at this load, as in a "
+    "service under sustained traffic: its re-tests fall in the measured rows).",
     "hf_* rows run transformers generate in the benchmark process, one request at a time: transformers cannot batch "
     "assisted generation, so serving N requests is N sequential calls and their aggregate at any c equals c1's.",
     "llama_cpp_prompt_lookup runs the Q4_1 GGUF (quantized, not the fp32 target): different output, reference only.",
