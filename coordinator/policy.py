@@ -228,7 +228,7 @@ class _Level:
 
     def _done(self, now: float) -> bool:
         if self.exploiting:
-            return self.rounds >= MethodGate.EXPLOIT_ROUNDS or self._drifted(now)
+            return self.rounds >= MethodGate.EXPLOIT_ROUNDS
         if now < self.started + MethodGate.EPOCH_S or not self.rounds:
             return False
         losing = self.tokens / self.ms < 0.5 * max(self.rate.values(), default=0.0)
@@ -240,15 +240,16 @@ class _Level:
                 and self.tokens / self.ms < MethodGate.DRIFT * self.rate.get(self.allowed, 0.0))
 
     def mode(self, now: float) -> frozenset[str]:
-        if not self._done(now):
-            return self.allowed
         drifted = self.exploiting and self._drifted(now)
+        if not (drifted or self._done(now)):
+            return self.allowed
         if self.ms > 0 and not drifted:  # (a drifted exploitation's rate mixes the old traffic with the new)
             self.rate[self.allowed] = self.tokens / self.ms
         if self.exploiting:  # test the others again (those whose wait is over; all, if the traffic changed)
+            if drifted:
+                self.losses = dict.fromkeys(MODES, 0)
             for m in MODES:
                 self.wait[m] = 0 if drifted else max(0, self.wait[m] - 1)
-                self.losses[m] = 0 if drifted else self.losses[m]
             self.untested = [m for m in MODES[::-1] if (drifted or m != self.allowed) and not self.wait[m]]
             self.measured = {self.allowed, *self.untested}
         if self.untested:

@@ -11,6 +11,7 @@ from transformers import LlamaForCausalLM
 
 from draft_service.proposer import ModelProposer, ProposeTask
 from specdec_core.batched_backend import BatchedBackend
+from specdec_core.batching import AGAIN
 from specdec_core.kvcache import SessionCaches
 from specdec_core.sampling import SamplingConfig
 from tiny_models import tiny_config
@@ -56,8 +57,6 @@ def test_a_long_prefill_goes_through_in_chunks_beside_the_other_sessions_proposa
     """A 300-token context takes batches of at most 64 of its tokens; a short session's proposal in
     the same batch is answered at once, not after the whole prefill; and the long session's
     proposal, when it comes, is the one an unchunked batch gives."""
-    from specdec_core.batching import AGAIN
-
     long = ProposeTask("long", [(7 * i) % VOCAB for i in range(300)], 5, SamplingConfig())
     short = ProposeTask("short", list(range(3, 12)), 4, SamplingConfig())
     chunking = ModelProposer(SessionCaches(BatchedBackend(model, max_tokens=8192)), max_context=1024, prefill_chunk=64)
