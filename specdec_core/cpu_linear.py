@@ -8,7 +8,12 @@ SmolLM2-135M's 576 x 1536 linears, one thread: 1 row 13.8 -> 6.8 ms, 8 rows 23.3
 16 rows 32.1 -> 12.8 ms per 60 of them.
 
 It also makes a row's result independent of how many rows share the call (BLAS's is not for 1-3
-rows against 8 or more), so a session's logits no longer depend on what it was batched with. The
+rows against 8 or more), so a session's logits no longer depend on what it was batched with. Except
+for one row: for some shapes (here, layers reading 1536 or more inputs, such as SmolLM2's down
+projection) oneDNN's one-row kernel sums in another order, and a plain decode alone differed from
+the same step batched by 5e-5 in the logits. Packing asks oneDNN once per weight shape whether a
+row alone comes out as it does among others; where it does not, a one-row input runs as two (the
+row twice). Only there: the two-row product costs 20% more than the one-row kernel over all layers. The
 results differ from BLAS's in the last bits (3e-6 on these layers), as any two kernels do: the
 reference a worker's output is compared with must run the same kernels, which it does when it is
 loaded by `models.load_causal_lm` too.
@@ -41,7 +46,24 @@ def available(dtype: torch.dtype) -> bool:
 
 
 def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.specdec_packed_weight, self.bias, "none", [], "")
+    x = x.contiguous()
+    if self.specdec_one_row_differs and x.dim() >= 2 and x.numel() == x.shape[-1]:  # one row: run two
+        two = torch.ops.mkldnn._linear_pointwise(x.expand(*x.shape[:-2], 2, x.shape[-1]).contiguous(),
+                                                 self.specdec_packed_weight, self.bias, "none", [], "")
+        return two[..., :1, :]
+    return torch.ops.mkldnn._linear_pointwise(x, self.specdec_packed_weight, self.bias, "none", [], "")
+
+
+def _one_row_differs(packed: torch.Tensor, in_features: int, dtype: torch.dtype, seen: dict) -> bool:
+    """Whether oneDNN gives a row alone another result than the same row among others, for this
+    weight shape (asked once per shape, on random rows)."""
+    key = (in_features, packed.shape, dtype)
+    if key not in seen:
+        x = torch.randn(4, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+        many = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        seen[key] = any(not torch.equal(torch.ops.mkldnn._linear_pointwise(x[i:i + 1], packed, None, "none", [], ""),
+                                        many[i:i + 1]) for i in range(4))
+    return seen[key]
 
 
 @torch.no_grad()
@@ -54,9 +76,11 @@ def pack_linears(model: torch.nn.Module) -> int:
         return 0
     shared = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Linear)
               for p in m.parameters(recurse=False)}
+    seen: dict = {}
     for m in linears:
         w = m.weight
         m.specdec_packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach())
+        m.specdec_one_row_differs = _one_row_differs(m.specdec_packed_weight, m.in_features, w.dtype, seen)
         m.forward = types.MethodType(_packed_forward, m)
         if id(w) not in shared:
             m.weight = torch.nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)

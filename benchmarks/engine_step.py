@@ -1,0 +1,134 @@
+"""The target engine's step cost alone (no services): what one forward pass of `BatchedBackend`
+costs for S sessions of about C cached tokens each, decoding one token (K = 0) or verifying a block
+of K + 1, on this machine's CPU or a GPU, with where the time goes (--profile).
+
+    .venv/bin/python benchmarks/engine_step.py [--sessions 1,8,32] [--new 1,6] [--context 200]
+        [--device cpu|cuda] [--threads N] [--random-weights CONFIG_JSON] [--profile] [--out FILE]
+
+Each case first checks what batching may not change: every session's logits from the batched pass
+against the same session run alone (max |difference| and whether every row's argmax agrees).
+Then it times warm passes (each pass's tokens are cropped off again, so every pass sees the same
+contexts) and prints ms per pass and the ratio to one session's pass of the same size.
+--random-weights builds the model from a config.json with random weights (for a machine without
+the model files: step costs depend on the shapes, not the values; the agreement check still holds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from specdec_core.batched_backend import BatchedBackend  # noqa: E402
+
+
+def load(args) -> torch.nn.Module:
+    if args.random_weights:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(args.random_weights)))
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype))
+        return model.to(args.device).eval()
+    from specdec_core.models import load_causal_lm
+
+    return load_causal_lm(args.model, dtype=args.dtype, device=args.device)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def case(backend, handles, new: int, repeats: int, device: str, check: bool = True) -> dict:
+    """One batched pass of `new` tokens for every handle: agreement with the sessions alone, then ms per pass."""
+    g = torch.Generator().manual_seed(new)
+    ids = [torch.randint(0, backend.vocab_size, (new,), generator=g).tolist() for _ in handles]
+
+    def step(hs, blocks):
+        out = backend.forward_batch([(h, b, h.length) for h, b in zip(hs, blocks)], [new] * len(hs))
+        for h in hs:
+            backend.crop(h, h.length - new)
+        return out
+
+    diff, same_argmax = 0.0, True
+    if check:
+        batched = step(handles, ids)
+        alone = [step([h], [b])[0] for h, b in zip(handles, ids)]
+        diff = max((a - b).abs().max().item() for a, b in zip(batched, alone))
+        same_argmax = all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(batched, alone))
+    for _ in range(2):
+        step(handles, ids)
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(repeats):
+        step(handles, ids)
+    sync(device)
+    ms = (time.perf_counter() - t) / repeats * 1e3
+    return {"sessions": len(handles), "new_tokens": new, "ms_per_pass": ms,
+            "max_abs_diff_vs_alone": diff, "argmax_same_as_alone": same_argmax}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--random-weights", metavar="CONFIG_JSON", help="random weights of this config instead")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
+    p.add_argument("--sessions", default="1,8,32", help="comma-separated batch sizes")
+    p.add_argument("--new", default="1,6", help="comma-separated tokens per session per pass (1: K = 0)")
+    p.add_argument("--context", type=int, default=200, help="cached tokens per session (session i: + 7 i)")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--profile", action="store_true", help="print the op breakdown of the largest case")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sessions = [int(s) for s in args.sessions.split(",")]
+    news = [int(n) for n in args.new.split(",")]
+
+    model = load(args)
+    backend = BatchedBackend(model, max_tokens=max(sessions) * (args.context + 7 * max(sessions) + 512))
+    g = torch.Generator().manual_seed(0)
+    handles = []
+    for i in range(max(sessions)):
+        h = backend.allocate()
+        backend.forward(h, torch.randint(0, backend.vocab_size, (args.context + 7 * i,), generator=g).tolist(), 0,
+                        num_logits=1)
+        handles.append(h)
+    print(f"device {args.device}, {args.dtype}, {torch.get_num_threads()} CPU threads, torch {torch.__version__}",
+          flush=True)
+    results = []
+    for new in news:
+        for s in sessions:
+            r = case(backend, handles[:s], new, args.repeats, args.device)
+            one = next(x for x in results if x["new_tokens"] == new and x["sessions"] == 1) if s != 1 else r
+            r["vs_one_session"] = r["ms_per_pass"] / one["ms_per_pass"]
+            results.append(r)
+            print(f"{s:3d} sessions x {new} tokens: {r['ms_per_pass']:8.2f} ms per pass "
+                  f"({r['vs_one_session']:.2f}x one session's); logits vs alone: max |diff| "
+                  f"{r['max_abs_diff_vs_alone']:.1e}, argmax {'same' if r['argmax_same_as_alone'] else 'DIFFERENT'}",
+                  flush=True)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+        with profile(activities=activities) as prof:
+            case(backend, handles[:max(sessions)], max(news), 3, args.device, check=False)
+        key = "self_cuda_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=20))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
+                       "context": args.context, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
