@@ -27,7 +27,13 @@ with the most expected tokens per millisecond of the round's predicted wall time
 Under load the parts stop adding up: sessions fall out of step and wait in each other's batches, a
 model round at c8 here took up to 3x its predicted time, and n-gram at c8 on grounded prompts served
 0.66x plain decoding while the cost model rated it higher. So which methods may be used at all, with
-two or more requests running, is measured rather than predicted: the MethodGate below.
+two or more requests running, is measured rather than predicted: the MethodGate below. Where the
+gate keeps n-gram alone, a session drafts its lookup whenever it has one (up to 10 tokens, as the
+fixed n-gram configuration does), whatever the cost model says: the gate measured the mode as it
+was run, and the cost model undervalues n-gram, whose acceptance comes in runs (a copied passage
+accepts everything, free text nothing) where its formula assumes independent tokens. At 4 requests
+on input-grounded prompts, with the gate keeping n-gram, the cost model chose plain rounds so often
+that the policy served 0.92x plain decoding while n-gram K=10 served 1.34x.
 
 Acceptance is per session and per method, starting from what this coordinator's sessions have seen
 lately (a new request does not relearn that the draft loses here). n-gram's is scored on every round
@@ -163,22 +169,39 @@ class MethodGate:
     ms of its rounds in epochs of each mode (plain decoding only; n-gram too; the draft model too)
     and keeps the best (a mode that drafts more only if it serves MARGIN more).
 
+    - A cycle of tests runs each mode twice, in mirrored order (plain, n-gram, model, model,
+      n-gram, plain), and judges each by its two tests together: the traffic of one level changes
+      within seconds (contexts grow, requests end), plain decoding alone measured 14 and 21 tokens
+      per s in two tests a minute apart, and a mode tested later than another would win or lose
+      by when it was tested.
     - A test lasts EPOCH_S and MIN_ROUNDS rounds that began in it after SETTLE_S (bets in flight and
-      the target's threads change with the mode), or fewer once it has served under half the best.
+      the target's threads change with the mode), and longer (up to MAX_EPOCH_S) until its
+      measurement is within PRECISION (the standard error of tokens per ms over its rounds: n-gram
+      rounds serve 1 to 11 tokens, and at 4 sessions 1-s epochs of the same mode measured 5 to 36
+      tokens per s), or shorter once it serves under half the best beyond doubt (then its second
+      test is skipped).
+    - A mode that drafts more is kept only if it serves MARGIN more than a plainer one and beyond
+      SIGNIFICANCE standard errors of the two measurements: where they cannot be told apart, the
+      plainer one (which costs the other sessions nothing) stays.
     - After EXPLOIT_ROUNDS rounds (traffic, not seconds: an idle level learns nothing) the others
-      are tested again against what the kept mode served meanwhile: the traffic may have changed. A
+      are tested again, in a cycle with the kept mode: the traffic may have changed. A
       mode that lost by more than LOSER waits twice as many exploitations for each such loss in a
       row (up to MAX_WAIT): testing the draft model where it loses costs its prefill of every context.
     - Sooner, and every mode again (waits forgotten, the kept one measured afresh), when the kept
-      mode serves under DRIFT of what it served when it was chosen: the traffic changed under it
+      mode serves under DRIFT of what it served when it was chosen, beyond SIGNIFICANCE standard
+      errors (a noisy dip is not a change; in one benchmark run the gate re-tested on noise every
+      few seconds, and each test of the draft model cost its prefill): the traffic changed under it
       (chat whose text repeats, then code that does not), and a drafting mode kept for 400 rounds
       of the wrong traffic serves less than plain decoding all that time.
 
     Greedy requests only: what it decides depends on timing."""
 
     EPOCH_S = 1.0
+    MAX_EPOCH_S = 4.0
     SETTLE_S = 0.3
     MIN_ROUNDS = 16
+    PRECISION = 0.07  # relative standard error a test aims for
+    SIGNIFICANCE = 1.0  # standard errors a difference must exceed to count
     EXPLOIT_ROUNDS = 400
     MARGIN = 0.05  # drafting also costs the other sessions
     LOSER = 0.8
@@ -214,67 +237,136 @@ class _Level:
 
     def __init__(self, level: int, now: float):
         self.level = level
-        self.rate: dict[frozenset[str], float] = {}  # each mode's last measurement
+        self.rate: dict[frozenset[str], Measure] = {}  # each mode's measurement in its last cycle of tests
         self.losses = dict.fromkeys(MODES, 0)  # tests in a row lost by more than LOSER
         self.wait = dict.fromkeys(MODES, 0)  # exploitations before the next test
-        self.untested = list(MODES[::-1])
-        self.measured = set(MODES)  # in this cycle of tests
-        self.allowed = self.untested.pop()  # plain first: what the others' tests are held against
+        self._plan(list(MODES))
+        self.allowed = self.untested.pop()  # plain first
         self.exploiting = False
         self._start(now)
 
+    def _plan(self, modes: list[frozenset[str]]) -> None:
+        """A cycle of tests of these modes (plainest first), each twice in mirrored order (A B C C B
+        A), so that traffic that slowly gets faster or slower favours none of them."""
+        self.untested = (modes + modes[::-1])[::-1]  # popped from the end
+        self.measured = set(modes)
+        self.cycle: dict[frozenset[str], Measure] = {}
+
     def _start(self, now: float) -> None:
-        self.started, self.tokens, self.ms, self.rounds = now, 0, 0.0, 0
+        self.started, self.current = now, Measure()  # the running test or exploitation
+
+    def _losing(self) -> bool:
+        """The running test serves under half the best of this cycle beyond doubt."""
+        m = self.current
+        best = max((x.rate for x in self.cycle.values()), default=0.0)
+        return m.rounds >= 4 and m.rate + MethodGate.SIGNIFICANCE * m.error < 0.5 * best
 
     def _done(self, now: float) -> bool:
+        m = self.current
         if self.exploiting:
-            return self.rounds >= MethodGate.EXPLOIT_ROUNDS
-        if now < self.started + MethodGate.EPOCH_S or not self.rounds:
+            return m.rounds >= MethodGate.EXPLOIT_ROUNDS
+        if now < self.started + MethodGate.EPOCH_S or not m.rounds:
             return False
-        losing = self.tokens / self.ms < 0.5 * max(self.rate.values(), default=0.0)
-        return self.rounds >= MethodGate.MIN_ROUNDS or (losing and self.rounds >= 4)
+        if self._losing():
+            return True
+        precise = m.error <= MethodGate.PRECISION * m.rate or now >= self.started + MethodGate.MAX_EPOCH_S
+        return m.rounds >= MethodGate.MIN_ROUNDS and precise
 
     def _drifted(self, now: float) -> bool:
         """The kept mode, over enough rounds, serves well under what it served when it was chosen."""
-        return (now >= self.started + MethodGate.EPOCH_S and self.rounds >= 2 * MethodGate.MIN_ROUNDS
-                and self.tokens / self.ms < MethodGate.DRIFT * self.rate.get(self.allowed, 0.0))
+        chosen = self.rate.get(self.allowed)
+        return (chosen is not None and now >= self.started + MethodGate.EPOCH_S
+                and self.current.rounds >= 2 * MethodGate.MIN_ROUNDS
+                and self.current.below(MethodGate.DRIFT * chosen.rate, chosen.error))
 
     def mode(self, now: float) -> frozenset[str]:
         drifted = self.exploiting and self._drifted(now)
         if not (drifted or self._done(now)):
             return self.allowed
-        if self.ms > 0 and not drifted:  # (a drifted exploitation's rate mixes the old traffic with the new)
-            self.rate[self.allowed] = self.tokens / self.ms
-        if self.exploiting:  # test the others again (those whose wait is over; all, if the traffic changed)
+        if not self.exploiting:  # a test ended: its rounds join the mode's others of this cycle
+            if self._losing():  # and its second half is not needed
+                self.untested = [m for m in self.untested if m != self.allowed]
+            self.cycle[self.allowed] = self.cycle.get(self.allowed, Measure()).merged(self.current)
+        else:  # test the others again (those whose wait is over; all, if the traffic changed), and the kept one
             if drifted:
                 self.losses = dict.fromkeys(MODES, 0)
             for m in MODES:
                 self.wait[m] = 0 if drifted else max(0, self.wait[m] - 1)
-            self.untested = [m for m in MODES[::-1] if (drifted or m != self.allowed) and not self.wait[m]]
-            self.measured = {self.allowed, *self.untested}
+            others = [m for m in MODES if (drifted or m != self.allowed) and not self.wait[m]]
+            self._plan([m for m in MODES if m in others or (others and m == self.allowed)])
+            if not others and not drifted:
+                self.rate[self.allowed] = self.current
         if self.untested:
             self.allowed, self.exploiting = self.untested.pop(), False
         else:
+            self.rate.update(self.cycle)
+            none = Measure()
             best = PLAIN
             for m in MODES[1:]:
-                if self.rate.get(m, 0.0) > (1 + MethodGate.MARGIN) * self.rate.get(best, 0.0):
+                if self.rate.get(m, none).above((1 + MethodGate.MARGIN) * self.rate.get(best, none).rate,
+                                                self.rate.get(best, none).error):
                     best = m
             for m in self.measured:
-                lost = self.rate.get(m, 0.0) < MethodGate.LOSER * self.rate.get(best, 0.0)
+                lost = self.rate.get(m, none).rate < MethodGate.LOSER * self.rate.get(best, none).rate
                 self.losses[m] = self.losses[m] + 1 if lost else 0
                 self.wait[m] = min(MethodGate.MAX_WAIT, 2 ** self.losses[m])
             self.allowed, self.exploiting = best, True
-            log.info("method gate at %d-%d requests running: %s (tokens per s of a session's rounds: %s)",
-                     self.level // 2 + 1, self.level, _name(best),
-                     ", ".join(f"{_name(m)} {1e3 * self.rate.get(m, 0.0):.1f}" for m in MODES))
+            if self.measured:
+                log.info("method gate at %d-%d requests running: %s (tokens per s of a session's rounds: %s)",
+                         self.level // 2 + 1, self.level, _name(best),
+                         ", ".join(f"{_name(m)} {self.rate.get(m, none)}" for m in MODES))
         self._start(now)
         return self.allowed
 
     def observe(self, now: float, tokens: int, round_ms: float) -> None:
         if now - round_ms / 1e3 >= self.started + MethodGate.SETTLE_S:  # the round ran in this epoch
-            self.tokens += tokens
-            self.ms += round_ms
-            self.rounds += 1
+            self.current.add(tokens, round_ms)
+
+
+class Measure:
+    """Tokens per ms over rounds (a ratio of sums) and its standard error, from the rounds' spread
+    around it (the ratio estimator's: sqrt(sum (t - R m)^2 / (n (n - 1))) / mean m)."""
+
+    __slots__ = ("rounds", "tokens", "ms", "tt", "tm", "mm")
+
+    def __init__(self):
+        self.rounds, self.tokens, self.ms, self.tt, self.tm, self.mm = 0, 0.0, 0.0, 0.0, 0.0, 0.0
+
+    def add(self, tokens: float, ms: float) -> None:
+        self.rounds += 1
+        self.tokens += tokens
+        self.ms += ms
+        self.tt += tokens * tokens
+        self.tm += tokens * ms
+        self.mm += ms * ms
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.ms if self.ms > 0 else 0.0
+
+    @property
+    def error(self) -> float:
+        n, r = self.rounds, self.rate
+        if n < 2:
+            return math.inf if n else 0.0
+        spread = max(0.0, self.tt - 2 * r * self.tm + r * r * self.mm)  # sum of (t - R m)^2
+        return math.sqrt(spread * n / (n - 1)) / self.ms
+
+    def merged(self, other: Measure) -> Measure:
+        both = Measure()
+        for name in self.__slots__:
+            setattr(both, name, getattr(self, name) + getattr(other, name))
+        return both
+
+    def above(self, rate: float, error: float) -> bool:
+        """Serves more than `rate` (measured with `error`), beyond SIGNIFICANCE standard errors."""
+        return self.rate > rate and self.rate - rate > MethodGate.SIGNIFICANCE * math.hypot(self.error, error)
+
+    def below(self, rate: float, error: float) -> bool:
+        return self.rate < rate and rate - self.rate > MethodGate.SIGNIFICANCE * math.hypot(self.error, error)
+
+    def __str__(self) -> str:
+        return f"{1e3 * self.rate:.1f} +- {1e3 * self.error:.1f}" if self.rounds else "-"
 
 
 def _name(mode: frozenset[str]) -> str:
@@ -388,7 +480,11 @@ class SpeculationPolicy:
         if max_k <= 0:
             return best
         options = [best]
-        allowed = self.methods & self.costs.gate.allowed(self.costs.active) if self.costs.learns else self.methods
+        gate = self.costs.gate.allowed(self.costs.active) if self.costs.learns else ALL
+        allowed = self.methods & gate
+        if gate == NGRAM_ONLY and NGRAM in self.methods and self._lookup:  # as the gate measured it (see the top)
+            self._method = NGRAM
+            return Choice(NGRAM, min(max_k, len(self._lookup)), 0.0)
         if self._lookup and NGRAM in allowed:
             options += [self._ngram(k) for k in NGRAM_KS if k <= min(max_k, len(self._lookup))]
         model = MODEL in allowed
