@@ -237,7 +237,7 @@ class _Level:
 
     def __init__(self, level: int, now: float):
         self.level = level
-        self.rate: dict[frozenset[str], Measure] = {}  # each mode's measurement in its last cycle of tests
+        self.rate: dict[frozenset[str], Measure] = {}  # each mode's last measurement (test cycle or exploitation)
         self.losses = dict.fromkeys(MODES, 0)  # tests in a row lost by more than LOSER
         self.wait = dict.fromkeys(MODES, 0)  # exploitations before the next test
         self._plan(list(MODES))
@@ -249,7 +249,6 @@ class _Level:
         """A cycle of tests of these modes (plainest first), each twice in mirrored order (A B C C B
         A), so that traffic that slowly gets faster or slower favours none of them."""
         self.untested = (modes + modes[::-1])[::-1]  # popped from the end
-        self.measured = set(modes)
         self.cycle: dict[frozenset[str], Measure] = {}
 
     def _start(self, now: float) -> None:
@@ -277,7 +276,7 @@ class _Level:
         chosen = self.rate.get(self.allowed)
         return (chosen is not None and now >= self.started + MethodGate.EPOCH_S
                 and self.current.rounds >= 2 * MethodGate.MIN_ROUNDS
-                and self.current.below(MethodGate.DRIFT * chosen.rate, chosen.error))
+                and self.current.below(MethodGate.DRIFT * chosen.rate, MethodGate.DRIFT * chosen.error))
 
     def mode(self, now: float) -> frozenset[str]:
         drifted = self.exploiting and self._drifted(now)
@@ -293,28 +292,28 @@ class _Level:
             for m in MODES:
                 self.wait[m] = 0 if drifted else max(0, self.wait[m] - 1)
             others = [m for m in MODES if (drifted or m != self.allowed) and not self.wait[m]]
-            self._plan([m for m in MODES if m in others or (others and m == self.allowed)])
-            if not others and not drifted:
+            if not others:  # all wait: keep the mode for another exploitation
                 self.rate[self.allowed] = self.current
+                self._start(now)
+                return self.allowed
+            self._plan([m for m in MODES if m in others or m == self.allowed])
         if self.untested:
             self.allowed, self.exploiting = self.untested.pop(), False
-        else:
+        else:  # the cycle is over: the best of what it measured (older measurements are of other traffic)
             self.rate.update(self.cycle)
-            none = Measure()
-            best = PLAIN
-            for m in MODES[1:]:
-                if self.rate.get(m, none).above((1 + MethodGate.MARGIN) * self.rate.get(best, none).rate,
-                                                self.rate.get(best, none).error):
+            tested = [m for m in MODES if m in self.cycle]
+            best = tested[0]
+            for m in tested[1:]:
+                if self.cycle[m].above((1 + MethodGate.MARGIN) * self.cycle[best].rate, self.cycle[best].error):
                     best = m
-            for m in self.measured:
-                lost = self.rate.get(m, none).rate < MethodGate.LOSER * self.rate.get(best, none).rate
+            for m in tested:
+                lost = self.cycle[m].rate < MethodGate.LOSER * self.cycle[best].rate
                 self.losses[m] = self.losses[m] + 1 if lost else 0
                 self.wait[m] = min(MethodGate.MAX_WAIT, 2 ** self.losses[m])
             self.allowed, self.exploiting = best, True
-            if self.measured:
-                log.info("method gate at %d-%d requests running: %s (tokens per s of a session's rounds: %s)",
-                         self.level // 2 + 1, self.level, _name(best),
-                         ", ".join(f"{_name(m)} {self.rate.get(m, none)}" for m in MODES))
+            log.info("method gate at %d-%d requests running: %s (tokens per s of a session's rounds: %s)",
+                     self.level // 2 + 1, self.level, _name(best),
+                     ", ".join(f"{_name(m)} {self.cycle[m]}" for m in tested))
         self._start(now)
         return self.allowed
 
@@ -347,7 +346,7 @@ class Measure:
     @property
     def error(self) -> float:
         n, r = self.rounds, self.rate
-        if n < 2:
+        if n < 2 or self.ms <= 0:
             return math.inf if n else 0.0
         spread = max(0.0, self.tt - 2 * r * self.tm + r * r * self.mm)  # sum of (t - R m)^2
         return math.sqrt(spread * n / (n - 1)) / self.ms

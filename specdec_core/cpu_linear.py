@@ -27,6 +27,7 @@ weight is replaced by the packed copy, so the model's memory does not grow (tied
 from __future__ import annotations
 
 import logging
+import os
 import types
 
 import torch
@@ -54,15 +55,25 @@ def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, self.specdec_packed_weight, self.bias, "none", [], "")
 
 
-def _one_row_differs(packed: torch.Tensor, in_features: int, dtype: torch.dtype, seen: dict) -> bool:
+def _one_row_differs(m: torch.nn.Linear, seen: dict) -> bool:
     """Whether oneDNN gives a row alone another result than the same row among others, for this
-    weight shape (asked once per shape, on random rows)."""
-    key = (in_features, packed.shape, dtype)
+    layer's shape (asked once per shape, on random rows, at one thread and at every core: a worker
+    changes its thread count between batches)."""
+    packed, bias = m.specdec_packed_weight, m.bias
+    key = (m.in_features, m.out_features, packed.dtype, bias is not None)
     if key not in seen:
-        x = torch.randn(4, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
-        many = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        seen[key] = any(not torch.equal(torch.ops.mkldnn._linear_pointwise(x[i:i + 1], packed, None, "none", [], ""),
-                                        many[i:i + 1]) for i in range(4))
+        x = torch.randn(4, m.in_features, generator=torch.Generator().manual_seed(0)).to(packed.dtype)
+        threads = torch.get_num_threads()
+        differs = False
+        try:
+            for n in sorted({1, threads, os.cpu_count() or 1}):
+                torch.set_num_threads(n)
+                many = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+                one = [torch.ops.mkldnn._linear_pointwise(x[i:i + 1], packed, bias, "none", [], "") for i in range(4)]
+                differs = differs or any(not torch.equal(r, many[i:i + 1]) for i, r in enumerate(one))
+        finally:
+            torch.set_num_threads(threads)
+        seen[key] = differs
     return seen[key]
 
 
@@ -80,7 +91,7 @@ def pack_linears(model: torch.nn.Module) -> int:
     for m in linears:
         w = m.weight
         m.specdec_packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach())
-        m.specdec_one_row_differs = _one_row_differs(m.specdec_packed_weight, m.in_features, w.dtype, seen)
+        m.specdec_one_row_differs = _one_row_differs(m, seen)
         m.forward = types.MethodType(_packed_forward, m)
         if id(w) not in shared:
             m.weight = torch.nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)

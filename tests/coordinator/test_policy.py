@@ -154,7 +154,7 @@ def test_the_method_gate_keeps_the_mode_that_serves_more_and_retests_the_others(
     assert phases(explored) == [PLAIN, NGRAM_ONLY, ALL, NGRAM_ONLY, PLAIN]
     assert explored.count(NGRAM_ONLY) > MethodGate.MIN_ROUNDS  # ...for MIN_ROUNDS rounds...
     assert explored.count(ALL) < MethodGate.MIN_ROUNDS  # ...or fewer where it serves under half the best
-    #                                                       (once: its second test is not needed)
+    assert gate._level(8).rate[ALL].rounds == 4  # (once: the 4 rounds of that rule; a second test would add its own)
     assert set(run(35)) == {PLAIN}  # keeps what served more, and tests the losers less often...
     speeds[NGRAM_ONLY] = 1 / 20  # (the traffic changes: text that repeats)
     retested = phases(run(30))
@@ -222,7 +222,7 @@ def test_the_method_gate_tests_noisy_modes_longer_and_keeps_plain_unless_draftin
     assert phases(modes) == [PLAIN, NGRAM_ONLY, ALL, NGRAM_ONLY, PLAIN]
     level = gate._level(8)
     assert level.rate[PLAIN].rounds == 2 * MethodGate.MIN_ROUNDS  # two tests
-    assert level.rate[NGRAM_ONLY].rounds > MethodGate.MIN_ROUNDS
+    assert level.rate[NGRAM_ONLY].rounds > 2 * MethodGate.MIN_ROUNDS  # two tests, each longer than MIN_ROUNDS
     assert level.rate[NGRAM_ONLY].error <= MethodGate.PRECISION * level.rate[NGRAM_ONLY].rate
     assert level.rate[NGRAM_ONLY].rate > (1 + MethodGate.MARGIN) * level.rate[PLAIN].rate  # better, not surely
 
