@@ -3,12 +3,15 @@ costs for S sessions of about C cached tokens each, decoding one token (K = 0) o
 of K + 1, on this machine's CPU or a GPU, with where the time goes (--profile).
 
     .venv/bin/python benchmarks/engine_step.py [--sessions 1,8,32] [--new 1,6] [--context 200]
-        [--device cpu|cuda] [--threads N] [--random-weights CONFIG_JSON] [--profile] [--out FILE]
+        [--device cpu|cuda] [--threads N] [--random-weights CONFIG_JSON] [--forward lean,model]
+        [--profile] [--out FILE]
 
 Each case first checks what batching may not change: every session's logits from the batched pass
 against the same session run alone (max |difference| and whether every row's argmax agrees).
 Then it times warm passes (each pass's tokens are cropped off again, so every pass sees the same
 contexts) and prints ms per pass and the ratio to one session's pass of the same size.
+--forward names the passes measured side by side, case by case: `lean` (the backend's default for
+Llama-family models, specdec_core/lean_pass.py) and `model` (the model's own forward).
 --random-weights builds the model from a config.json with random weights (for a machine without
 the model files: step costs depend on the shapes, not the values; the agreement check still holds).
 """
@@ -86,7 +89,9 @@ def main() -> None:
     p.add_argument("--new", default="1,6", help="comma-separated tokens per session per pass (1: K = 0)")
     p.add_argument("--context", type=int, default=200, help="cached tokens per session (session i: + 7 i)")
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--profile", action="store_true", help="print the op breakdown of the largest case")
+    p.add_argument("--forward", default="lean,model",
+                   help="comma-separated passes to measure side by side: lean, model (default both)")
+    p.add_argument("--profile", action="store_true", help="print the op breakdown of the largest case (first pass named)")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args()
     if args.threads:
@@ -105,17 +110,25 @@ def main() -> None:
         handles.append(h)
     print(f"device {args.device}, {args.dtype}, {torch.get_num_threads()} CPU threads, torch {torch.__version__}",
           flush=True)
+    lean = backend._lean  # checked against the model's own pass at the handles' first forward
+    if lean is None:
+        print("the lean pass does not apply to this model (or differed from its own forward)", flush=True)
+    passes = [f for f in args.forward.split(",") if f == "model" or lean is not None]
     results = []
     for new in news:
         for s in sessions:
-            r = case(backend, handles[:s], new, args.repeats, args.device)
-            one = next(x for x in results if x["new_tokens"] == new and x["sessions"] == 1) if s != 1 else r
-            r["vs_one_session"] = r["ms_per_pass"] / one["ms_per_pass"]
-            results.append(r)
-            print(f"{s:3d} sessions x {new} tokens: {r['ms_per_pass']:8.2f} ms per pass "
-                  f"({r['vs_one_session']:.2f}x one session's); logits vs alone: max |diff| "
-                  f"{r['max_abs_diff_vs_alone']:.1e}, argmax {'same' if r['argmax_same_as_alone'] else 'DIFFERENT'}",
-                  flush=True)
+            for forward in passes:
+                backend._lean = lean if forward == "lean" else None
+                r = {"forward": forward, **case(backend, handles[:s], new, args.repeats, args.device)}
+                one = next(x for x in results if x["new_tokens"] == new and x["sessions"] == 1
+                           and x["forward"] == forward) if s != 1 else r
+                r["vs_one_session"] = r["ms_per_pass"] / one["ms_per_pass"]
+                results.append(r)
+                print(f"{s:3d} sessions x {new} tokens, {forward:5s} pass: {r['ms_per_pass']:8.2f} ms per pass "
+                      f"({r['vs_one_session']:.2f}x one session's); logits vs alone: max |diff| "
+                      f"{r['max_abs_diff_vs_alone']:.1e}, argmax {'same' if r['argmax_same_as_alone'] else 'DIFFERENT'}",
+                      flush=True)
+    backend._lean = lean if passes and passes[0] == "lean" else None
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

@@ -24,6 +24,8 @@ How it works (the CPU path of transformers' continuous batching, with our own bo
   blocks are scattered (a shared prefix, a crowded pool) has its keys gathered (`index_select`),
   which at 8 sessions of ~350 tokens had cost a fifth of the decode step.
 - the LM head runs only on the rows whose logits the caller reads (`num_logits`).
+- Llama-family models run as `lean_pass.LeanPass`: the same operations without transformers'
+  module machinery (about a tenth of a CPU decode step), once the first batch agreed bit for bit.
 Nothing is copied per step but the keys/values of scattered sessions; crop and free only edit
 block tables (and reference counts).
 
@@ -59,6 +61,7 @@ items); a single item always runs whole.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -71,6 +74,9 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from specdec_core.errors import ResourceExhausted
 from specdec_core.kvcache import logits_per_item, prefix_hash
+from specdec_core.lean_pass import LeanPass
+
+log = logging.getLogger(__name__)
 
 _ATTENTION = "specdec_paged"
 GROWTH_TOKENS = 256  # room to grow in place; each session's unused room may stay resident
@@ -165,12 +171,14 @@ class BatchedBackend:
     `max_tokens`: KV capacity in tokens over all sessions (rounded up to whole blocks); the pool
     of each layer is created on the first forward pass with the model's dtype and device (and its
     local number of KV heads, so a tensor-parallel shard holds only its heads).
+    `lean`: run Llama-family layers through `lean_pass` (their operations without transformers'
+    module machinery) once the first batch showed its logits bit for bit equal to the model's own.
     """
 
     name = "transformers-paged"
 
     def __init__(self, model, max_tokens: int = 65536, block_size: int = 16,
-                 max_attention_elements: int = 1 << 22):
+                 max_attention_elements: int = 1 << 22, lean: bool = True):
         if max_tokens <= 0 or block_size <= 0:
             raise ValueError(f"max_tokens and block_size must be positive, got {max_tokens}, {block_size}")
         config = model.config
@@ -215,6 +223,9 @@ class BatchedBackend:
         # guards the free list, reference counts, the index, block tables and pool creation
         self._lock = threading.Lock()
         self._no_mask = torch.zeros(1, 1, 1, 1, dtype=self.torch_dtype, device=self.device)
+        # the model's layers without transformers' module machinery, once checked to agree (_model_pass)
+        self._lean = LeanPass.of(model) if lean else None
+        self._lean_checked = False
 
     # ------------------------------------------------------------------------------------------
     # CacheBackend
@@ -625,18 +636,38 @@ class BatchedBackend:
             q0 = len(input_ids) - n
             batch.append(_Item(q0, q0 + n, read, mask, is_causal=not start and n > 1))
         view = _BatchView(self, torch.cat(write), batch)
-        out = self.model(
-            input_ids=torch.tensor([input_ids], dtype=torch.long, device=dev),
-            position_ids=torch.cat(positions).to(dev).unsqueeze(0),
+        ids = torch.tensor([input_ids], dtype=torch.long, device=dev)
+        position_ids = torch.cat(positions).to(dev).unsqueeze(0)
+        rows = _kept_rows(items, keep).to(dev)
+        if self._lean is not None and self._lean_checked:
+            logits = self._lean(ids, position_ids, view, rows)  # [sum(keep), V]
+        else:
+            logits = self._model_pass(ids, position_ids, view, rows)
+        logits = logits if logits.dtype == torch.float64 else logits.float()  # float32 at least
+        return list(logits.split(keep))
+
+    def _model_pass(self, ids: torch.Tensor, position_ids: torch.Tensor, view: _BatchView,
+                    rows: torch.Tensor) -> torch.Tensor:
+        """The model's own forward over the batch; at the first batch, also the lean pass, which
+        is used from then on only if its logits are bit for bit the same (it runs first: the
+        model's own pass then writes the pool's keys and values last)."""
+        lean = self._lean(ids, position_ids, view, rows) if self._lean is not None else None
+        logits = self.model(
+            input_ids=ids,
+            position_ids=position_ids,
             attention_mask=self._no_mask,  # 4D: transformers passes it through without building one
             cache=view,
             use_cache=True,
-            logits_to_keep=_kept_rows(items, keep).to(dev),
+            logits_to_keep=rows,
             specdec_batch=view,
-        )
-        logits = out.logits[0]  # [sum(keep), V], float32 at least (a float64 model's stay float64)
-        logits = logits if logits.dtype == torch.float64 else logits.float()
-        return list(logits.split(keep))
+        ).logits[0]
+        if lean is not None:
+            self._lean_checked = torch.equal(lean, logits)
+            if not self._lean_checked:
+                log.warning("the lean forward pass differs from the model's own (max |diff| %.1e): "
+                            "this backend keeps the model's", (lean - logits).abs().max().item())
+                self._lean = None
+        return logits
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:

@@ -1,0 +1,105 @@
+"""A Llama-family model's forward pass over a `BatchedBackend` batch, without transformers' module
+machinery: the same tensor operations, in the same order, on the same weights, so the logits are
+bit for bit those of `model(...)` (checked at the first batch, see `BatchedBackend._run`).
+
+Why: a decode step of SmolLM2-135M on this project's 2-core CPU spent ~4.5 ms of its 40-53 ms in
+Python around the operations (module calls, their decorators and keyword plumbing, the causal-mask
+builder whose mask the batch ignores), not in them: 1 session 40.4 -> 36.5 ms, 8 sessions
+52.7 -> 48.2 ms per pass (`benchmarks/engine_step.py`, 200-token contexts).
+
+Per layer, as `LlamaDecoderLayer` does it:
+    x = rmsnorm(h);  q, k, v = rope(q_proj x), rope(k_proj x), v_proj x
+    h = h + o_proj(attention(q, k, v))          (the batch's per-session attention)
+    h = h + down_proj(act(gate_proj x') * up_proj x'),   x' = rmsnorm(h)
+then the final norm and the LM head on the kept rows.
+
+Only models whose layers are exactly this shape qualify (`LeanPass.of`): any other submodule
+(a q/k norm, a sliding window, a scaled embedding) or any module hook (tensor parallelism wraps
+the linears in hooks) leaves the model on its own forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj", "act_fn")
+_LAYER = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+
+
+class LeanPass:
+    """`__call__(input_ids [1, T], position_ids [1, T], view, rows [R]) -> logits [R, V]`."""
+
+    def __init__(self, model):
+        self.model = model
+        self.decoder = model.model
+        self.layers = list(self.decoder.layers[: model.config.num_hidden_layers])
+
+    @classmethod
+    def of(cls, model) -> LeanPass | None:
+        """A lean pass for this model, or None when its layers are not plain Llama layers."""
+        decoder = getattr(model, "model", None)
+        if decoder is None or not hasattr(model, "lm_head") or any(
+                not hasattr(decoder, name) for name in ("embed_tokens", "rotary_emb", "layers", "norm")):
+            return None
+        if type(decoder.embed_tokens) is not torch.nn.Embedding or not _is_rms_norm(decoder.norm):
+            return None
+        if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+            return None
+        if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+            return None
+        for layer in decoder.layers:
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            if {name for name, _ in layer.named_children()} != _LAYER:
+                return None
+            if {name for name, _ in attn.named_children()} != set(_ATTENTION):
+                return None
+            if {name for name, _ in mlp.named_children()} != set(_MLP):
+                return None
+            if not (_is_rms_norm(layer.input_layernorm) and _is_rms_norm(layer.post_attention_layernorm)):
+                return None
+            if not all(isinstance(getattr(attn, n), torch.nn.Linear) for n in _ATTENTION):
+                return None
+            if not all(isinstance(getattr(mlp, n), torch.nn.Linear) for n in _MLP[:3]):
+                return None
+        return cls(model)
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, view, rows: torch.Tensor) -> torch.Tensor:
+        h = self.decoder.embed_tokens(input_ids)  # [1, T, hidden]
+        cos, sin = self.decoder.rotary_emb(h, position_ids=position_ids)  # [1, T, head_dim]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        tokens = h.shape[1]
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            x = _rms_norm(layer.input_layernorm, h)
+            heads = (1, tokens, -1, attn.head_dim)
+            q = attn.q_proj.forward(x).view(heads).transpose(1, 2)  # [1, heads, T, d]
+            k = attn.k_proj.forward(x).view(heads).transpose(1, 2)  # [1, kv_heads, T, d]
+            v = attn.v_proj.forward(x).view(heads).transpose(1, 2)
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            view.update(k, v, attn.layer_idx)
+            o = view.attend(attn.layer_idx, q, k, v, attn.scaling)  # [1, T, heads, d]
+            h = h + attn.o_proj.forward(o.reshape(1, tokens, -1).contiguous())
+            x = _rms_norm(layer.post_attention_layernorm, h)
+            h = h + mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
+        h = _rms_norm(self.decoder.norm, h)
+        return self.model.lm_head.forward(h[:, rows, :])[0]
+
+
+def _is_rms_norm(m) -> bool:
+    """A Llama-style RMSNorm: a weight and an epsilon, nothing else (Gemma's 1 + weight has another forward)."""
+    return (type(m).__name__ in ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
+            and hasattr(m, "variance_epsilon") and not list(m.children()))
+
+
+def _rms_norm(norm, h: torch.Tensor) -> torch.Tensor:
+    """LlamaRMSNorm.forward, operation for operation."""
+    dtype = h.dtype
+    h32 = h.to(torch.float32)
+    variance = h32.pow(2).mean(-1, keepdim=True)
+    return norm.weight * (h32 * torch.rsqrt(variance + norm.variance_epsilon)).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
