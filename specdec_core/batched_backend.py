@@ -651,7 +651,13 @@ class BatchedBackend:
         """The model's own forward over the batch; at the first batch, also the lean pass, which
         is used from then on only if its logits are bit for bit the same (it runs first: the
         model's own pass then writes the pool's keys and values last)."""
-        lean = self._lean(ids, position_ids, view, rows) if self._lean is not None else None
+        lean = None
+        if self._lean is not None:
+            try:
+                lean = self._lean(ids, position_ids, view, rows)
+            except Exception:  # noqa: BLE001 - a layer the structural check let through; the model's own pass serves
+                log.warning("the lean forward pass failed on this model: this backend keeps the model's", exc_info=True)
+                self._lean = None
         logits = self.model(
             input_ids=ids,
             position_ids=position_ids,

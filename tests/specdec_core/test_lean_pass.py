@@ -90,6 +90,20 @@ def test_a_lean_pass_that_disagrees_is_dropped_and_the_models_logits_are_used(ca
     assert torch.equal(second, reference.forward(other, [3], 6))
 
 
+def test_a_lean_pass_that_fails_is_dropped_and_the_batch_still_served(caplog):
+    model = llama()
+    bb = BatchedBackend(model)
+
+    def broken(*args):
+        raise RuntimeError("a layer it does not know")
+
+    bb._lean = broken
+    got = bb.forward(bb.allocate(), tokens(6, seed=2), 0)
+    assert bb._lean is None and "lean forward pass failed" in caplog.text
+    reference = BatchedBackend(model, lean=False)
+    assert torch.equal(got, reference.forward(reference.allocate(), tokens(6, seed=2), 0))
+
+
 def test_qwen2_layers_qualify_and_agree():
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**SHAPE)).eval()  # q/k/v with bias
