@@ -143,6 +143,40 @@ class Rate:
         return self.successes / self.trials if self.trials > 0 else 0.0
 
 
+class Runs:
+    """n-gram acceptance by position in the lookup, and by whether the session's last lookup had its
+    first token accepted. A lookup either copies a passage (every token of it matches, and so does
+    the next lookup's) or guesses in free text (none does): acceptance comes in runs, where
+    Leviathan's formula assumes independent tokens. On the input-grounded set one mean rate of 0.34
+    made a lookup worth 0.5 tokens, while lookups right after one that matched were accepted 6
+    tokens deep; so the policy chose plain rounds at 4 requests and served 0.70x n-gram K=10.
+
+    rates[hit][j]: the probability that token j + 1 of a lookup matches given that tokens 1..j did,
+    after a lookup whose first token matched (hit) or did not. Every round scores the lookup for
+    free against what the target committed (as deep as the round committed: a deeper token's rate
+    is only learnt when it is seen)."""
+
+    PRIOR = {False: (0.3, 0.7), True: (0.7, 0.8)}  # (first token, each later one given the earlier)
+
+    def __init__(self, start: Runs | None = None, forget: float = 0.9):
+        def rate(hit: bool, j: int) -> Rate:
+            return Rate(start.rates[hit][j].value if start else self.PRIOR[hit][min(j, 1)], forget=forget)
+        self.rates = {hit: [rate(hit, j) for j in range(max(NGRAM_KS))] for hit in (False, True)}
+
+    def expected(self, hit: bool, k: int) -> float:
+        """Tokens accepted of a K-token lookup."""
+        tokens, p = 0.0, 1.0
+        for rate in self.rates[hit][:k]:
+            p *= rate.value
+            tokens += p
+        return tokens
+
+    def add(self, hit: bool, matched: int, seen: int) -> None:
+        """A lookup after `hit` matched its first `matched` tokens of the `seen` the round committed."""
+        for j, rate in enumerate(self.rates[hit][:min(seen, matched + 1)]):
+            rate.add(int(j < matched), 1)
+
+
 @dataclass(frozen=True)
 class Prior:
     """Costs before anything is measured, and always for sampled requests (milliseconds)."""
@@ -156,7 +190,10 @@ class Prior:
 
 
 PLAIN, NGRAM_ONLY, ALL = frozenset(), frozenset({NGRAM}), frozenset({NGRAM, MODEL})
-MODES = (PLAIN, NGRAM_ONLY, ALL)  # what the gate may allow, plainest first
+MODES = (PLAIN, NGRAM_ONLY, ALL)  # what a gate may allow, plainest first
+# What the coordinator's gate chooses between: n-gram is always allowed, its rounds chosen by the cost
+# model, which values its runs (Runs); the gate decides whether the draft model may be used as well.
+GATED = (NGRAM_ONLY, ALL)
 
 
 class MethodGate:
@@ -208,14 +245,14 @@ class MethodGate:
     MAX_WAIT = 8
     DRIFT = 0.8
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
-        self.clock = clock
+    def __init__(self, clock: Callable[[], float] = time.monotonic, modes: tuple[frozenset[str], ...] = MODES):
+        self.clock, self.modes = clock, modes
         self._levels: dict[int, _Level] = {}
         self._lock = threading.Lock()
 
     def allowed(self, running: int) -> frozenset[str]:
         if running <= 1:
-            return ALL
+            return self.modes[-1]
         with self._lock:
             return self._level(running).mode(self.clock())
 
@@ -228,19 +265,19 @@ class MethodGate:
     def _level(self, running: int) -> _Level:
         level = 1 << (running - 1).bit_length()  # 2, 4, 8, 16, ...
         if level not in self._levels:
-            self._levels[level] = _Level(level, self.clock())
+            self._levels[level] = _Level(level, self.clock(), self.modes)
         return self._levels[level]
 
 
 class _Level:
     """One load level's tests and exploitations: each mode's measured tokens per ms of a session's round."""
 
-    def __init__(self, level: int, now: float):
-        self.level = level
+    def __init__(self, level: int, now: float, modes: tuple[frozenset[str], ...]):
+        self.level, self.modes = level, modes
         self.rate: dict[frozenset[str], Measure] = {}  # each mode's last measurement (test cycle or exploitation)
-        self.losses = dict.fromkeys(MODES, 0)  # tests in a row lost by more than LOSER
-        self.wait = dict.fromkeys(MODES, 0)  # exploitations before the next test
-        self._plan(list(MODES))
+        self.losses = dict.fromkeys(modes, 0)  # tests in a row lost by more than LOSER
+        self.wait = dict.fromkeys(modes, 0)  # exploitations before the next test
+        self._plan(list(modes))
         self.allowed = self.untested.pop()  # plain first
         self.exploiting = False
         self._start(now)
@@ -288,20 +325,20 @@ class _Level:
             self.cycle[self.allowed] = self.cycle.get(self.allowed, Measure()).merged(self.current)
         else:  # test the others again (those whose wait is over; all, if the traffic changed), and the kept one
             if drifted:
-                self.losses = dict.fromkeys(MODES, 0)
-            for m in MODES:
+                self.losses = dict.fromkeys(self.modes, 0)
+            for m in self.modes:
                 self.wait[m] = 0 if drifted else max(0, self.wait[m] - 1)
-            others = [m for m in MODES if (drifted or m != self.allowed) and not self.wait[m]]
+            others = [m for m in self.modes if (drifted or m != self.allowed) and not self.wait[m]]
             if not others:  # all wait: keep the mode for another exploitation
                 self.rate[self.allowed] = self.current
                 self._start(now)
                 return self.allowed
-            self._plan([m for m in MODES if m in others or m == self.allowed])
+            self._plan([m for m in self.modes if m in others or m == self.allowed])
         if self.untested:
             self.allowed, self.exploiting = self.untested.pop(), False
         else:  # the cycle is over: the best of what it measured (older measurements are of other traffic)
             self.rate.update(self.cycle)
-            tested = [m for m in MODES if m in self.cycle]
+            tested = [m for m in self.modes if m in self.cycle]
             best = tested[0]
             for m in tested[1:]:
                 if self.cycle[m].above((1 + MethodGate.MARGIN) * self.cycle[best].rate, self.cycle[best].error):
@@ -383,9 +420,10 @@ class Costs:
         self.draft_overhead_ms = prior.draft_overhead_ms
         self.batch = 1.0
         self.active = 0  # requests running now (the coordinator keeps it)
-        self.gate = MethodGate()
-        # each method's acceptance over every session here: where a new session starts from
-        self.acceptance = {MODEL: Rate(OPTIMISTIC_ALPHA, forget=0.98), NGRAM: Rate(0.3, forget=0.98)}
+        self.gate = MethodGate(modes=GATED)
+        # acceptance over every session here: where a new session starts from
+        self.acceptance = Rate(OPTIMISTIC_ALPHA, forget=0.98)  # the draft model's
+        self.runs = Runs(forget=0.98)
         self._lock = threading.Lock()
 
     def observe(self, rnd: Round) -> None:
@@ -419,14 +457,23 @@ class Costs:
         """Sessions per pass to plan for."""
         return max(self.batch, self.active) if self.learns else 1.0
 
-    def observe_acceptance(self, method: str, successes: int, trials: int) -> None:
+    def observe_acceptance(self, successes: int, trials: int) -> None:
         if self.learns and trials:
             with self._lock:
-                self.acceptance[method].add(successes, trials)
+                self.acceptance.add(successes, trials)
 
-    def prior_acceptance(self, method: str) -> float:
+    def observe_lookup(self, hit: bool, matched: int, seen: int) -> None:
+        if self.learns:
+            with self._lock:
+                self.runs.add(hit, matched, seen)
+
+    def prior_acceptance(self) -> float:
         with self._lock:
-            return self.acceptance[method].value
+            return self.acceptance.value
+
+    def prior_runs(self) -> Runs:
+        with self._lock:
+            return Runs(self.runs)
 
     def _line(self, threads: int) -> Line:
         if threads not in self._verify:
@@ -464,7 +511,9 @@ class SpeculationPolicy:
         self.costs, self.methods, self.overlap, self.max_k = costs, methods, overlap, max_k
         self.decode_steps = decode_steps  # plain steps a round without a draft takes after its verdict
         self.ngram = ngram or NgramProposer()  # whose lookup n-gram rounds would propose
-        self.alpha = {m: Rate(costs.prior_acceptance(m)) for m in (MODEL, NGRAM)}
+        self.alpha = Rate(costs.prior_acceptance())  # the draft model's acceptance
+        self.runs = costs.prior_runs()  # n-gram's
+        self._hit = False  # the last lookup's first token was accepted
         self._lookup: list[int] = []
         self._since_model = 0
         self._method = NONE
@@ -481,14 +530,11 @@ class SpeculationPolicy:
         options = [best]
         gate = self.costs.gate.allowed(self.costs.active) if self.costs.learns else ALL
         allowed = self.methods & gate
-        if gate == NGRAM_ONLY and NGRAM in self.methods and self._lookup:  # as the gate measured it (see the top)
-            self._method = NGRAM
-            return Choice(NGRAM, min(max_k, len(self._lookup)), 0.0)
         if self._lookup and NGRAM in allowed:
             options += [self._ngram(k) for k in NGRAM_KS if k <= min(max_k, len(self._lookup))]
         model = MODEL in allowed
         if model:
-            alpha = self.alpha[MODEL].value
+            alpha = self.alpha.value
             options += [self._model(k, alpha) for k in MODEL_KS if k <= max_k]
         best = max(options, key=lambda c: (c.gain, -c.k))
         current = max((c for c in options if c.method == self._method), key=lambda c: c.gain, default=None)
@@ -505,9 +551,9 @@ class SpeculationPolicy:
             self._since_model = 0
         if log.isEnabledFor(logging.DEBUG):
             n = self.costs.load
-            log.debug("policy: %s K=%d at n=%.1f: %.4f tok/ms (none %.4f); alpha model %.2f ngram %.2f; "
+            log.debug("policy: %s K=%d at n=%.1f: %.4f tok/ms (none %.4f); alpha model %.2f; n-gram %.2f of 10; "
                       "V solo %.1f shared %.1f ms, D %.1f ms/token", best.method, best.k, n, best.gain,
-                      options[0].gain, self.alpha[MODEL].value, self.alpha[NGRAM].value,
+                      options[0].gain, self.alpha.value, self.runs.expected(self._hit, max(NGRAM_KS)),
                       self.costs.verify_ms(n, solo=True), self.costs.verify_ms(n * (best.k + 1), solo=False),
                       self.costs.draft_ms(1, n) - self.costs.draft_overhead_ms)
         self._method = best.method
@@ -520,22 +566,22 @@ class SpeculationPolicy:
             self.costs.gate.observe(self.costs.active, len(rnd.new_ids), rnd.draft_ms + rnd.verify_ms)
         self._rounds += 1
         if rnd.num_drafted and rnd.draft.from_worker:
-            self._accept(MODEL, rnd.num_accepted, min(rnd.num_drafted, rnd.num_accepted + 1))
-        if self._lookup:
+            successes, trials = rnd.num_accepted, min(rnd.num_drafted, rnd.num_accepted + 1)
+            self.alpha.add(successes, trials)
+            self.costs.observe_acceptance(successes, trials)
+        if self._lookup:  # scored for free, whatever the round drafted
             seen = min(len(self._lookup), len(rnd.new_ids))
             matched = next((i for i in range(seen) if self._lookup[i] != rnd.new_ids[i]), seen)
-            self._accept(NGRAM, matched, min(seen, matched + 1))
-
-    def _accept(self, method: str, successes: int, trials: int) -> None:
-        self.alpha[method].add(successes, trials)
-        self.costs.observe_acceptance(method, successes, trials)
+            self.runs.add(self._hit, matched, seen)
+            self.costs.observe_lookup(self._hit, matched, seen)
+        self._hit = bool(self._lookup) and rnd.new_ids[:1] == self._lookup[:1]
 
     def _ngram(self, k: int) -> Choice:
         """This session's K tokens join a pass of n sessions: what the pass serves per session, its
         (n - 1) others' tokens plus this one's, over the longer pass all of them wait for (the lookup
         matched now, which the others' may not have: a symmetric guess would overrate it)."""
         n = self.costs.load
-        tokens = n - 1 + expected_tokens(self.alpha[NGRAM].value, k)
+        tokens = n + self.runs.expected(self._hit, k)
         return Choice(NGRAM, k, tokens / (n * self.costs.verify_ms(n + k, solo=True)))
 
     def _model(self, k: int, alpha: float) -> Choice:

@@ -25,7 +25,7 @@ class TargetConfig:
     max_queue: int = 64
     threads: int = 0
     solo_threads: int = 0
-    prefill_chunk: int = 64
+    prefill_chunk: int = 32
     kv_store: KVStoreOptions = KVStoreOptions()
 
     def __post_init__(self):

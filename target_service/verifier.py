@@ -7,9 +7,12 @@ decoding pays the RPC and the coordinator's round once per call instead of once 
 Concurrent requests from different sessions are verified together: their tails go through the
 model in one batched pass (each with its own cache length and K) when the backend can batch.
 
-A long prefill goes through in chunks of at most `prefill_chunk` tokens, one per pass, between the
-other sessions' rounds (chunked prefill, as vLLM and SGLang do): without it, a session that sends a
-2,000-token prompt stalls every session decoding beside it for the whole prefill."""
+A long prefill goes through in chunks, between the other sessions' rounds (chunked prefill, as vLLM
+and SGLang do): without it, a session that sends a 2,000-token prompt stalls every session decoding
+beside it for the whole prefill. A pass beside other sessions' rounds adds at most `prefill_chunk`
+tokens of long prefills, all of them together (two long prompts arriving at once would double the
+stall), and a pass of long prefills alone up to ALONE_CHUNKS times as many (nothing waits on it but
+what arrives meanwhile)."""
 
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ from specdec_core.sampling import (
     validate_sampling,
 )
 from target_service.acceptance import verify_greedy, verify_sampled
+
+ALONE_CHUNKS = 8  # a pass of long prefills alone takes this many times --prefill-chunk
 
 
 @dataclass(frozen=True)
@@ -131,15 +136,26 @@ class Verifier:
             if not leased:
                 return results
             prefill = {i: len(tasks[i].committed_ids) - len(seq.token_ids) for i, seq in leased}
-            chunked = [(i, seq) for i, seq in leased if 0 < self.prefill_chunk < prefill[i]]
+            long = [(i, seq) for i, seq in leased if 0 < self.prefill_chunk < prefill[i]]
             leased = [(i, seq) for i, seq in leased if not 0 < self.prefill_chunk < prefill[i]]
+            budget = self.prefill_chunk * (1 if leased else ALONE_CHUNKS)  # what this pass takes of long prefills
+            chunked = []  # (i, seq, tokens this pass): the rest in the next passes, between others' rounds
+            for i, seq in long:
+                take = min(budget, prefill[i])
+                budget -= take
+                if take == prefill[i]:  # the rest fits: its verdict in this pass
+                    leased.append((i, seq))
+                elif take:
+                    chunked.append((i, seq, take))
+                else:  # waits for the next pass
+                    results[i] = AGAIN
             feeds = [(seq, tasks[i].committed_ids[len(seq.token_ids):] + tasks[i].draft_ids) for i, seq in leased]
-            feeds += [(seq, tasks[i].committed_ids[len(seq.token_ids):][:self.prefill_chunk]) for i, seq in chunked]
+            feeds += [(seq, tasks[i].committed_ids[len(seq.token_ids):][:take]) for i, seq, take in chunked]
             batch_tokens = sum(len(ids) for _, ids in feeds)
             batch_prefill = batch_tokens - sum(len(tasks[i].draft_ids) for i, _ in leased)
             logits = self.caches.extend_batch(  # logits only where the rule reads them: the last K+1
                 feeds, [len(tasks[i].draft_ids) + 1 for i, _ in leased] + [1] * len(chunked))
-            for i, _ in chunked:  # a chunk of a long prefill: the rest in the next passes, between others' rounds
+            for i, _, _ in chunked:
                 results[i] = AGAIN
             decided = []
             for (i, seq), rows in zip(leased, logits):

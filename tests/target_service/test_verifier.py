@@ -72,20 +72,27 @@ def test_core_share_gives_the_target_every_core_while_no_draft_worker_drafts():
 
 
 def test_a_long_prefill_goes_through_in_chunks_between_the_other_sessions_rounds(model):
-    """Chunked prefill: a 300-token prompt takes passes of at most 64 of its tokens; a short
-    session's verify in the same pass is answered at once, not after the whole prefill; and the long
-    session's verdict, when it comes, is the one an unchunked pass gives."""
+    """Chunked prefill: beside a short session's verify, a pass takes 64 tokens of long prompts, all
+    of them together (the first 64 of the first; the second waits); the short session is answered at
+    once, not after the prefills; passes of the prefills alone take 8 x 64; and each long session's
+    verdict, when it comes, is the one an unchunked pass gives."""
     from specdec_core.batching import AGAIN
 
-    long = VerifyTask("long", ids(300, 7), [11, 12, 13], GREEDY)
+    long = VerifyTask("long", ids(1000, 7), [11, 12, 13], GREEDY)
+    other = VerifyTask("other", ids(300, 9), [4], GREEDY)
     short = VerifyTask("short", ids(9, 8), [5], GREEDY)
-    verifier = Verifier(SessionCaches(BatchedBackend(model, max_tokens=2048)), max_context=512, prefill_chunk=64)
-    passes = [verifier._verify_batch([long, short])]
-    while passes[-1][0] is AGAIN:
-        passes.append(verifier._verify_batch([long]))
-    assert len(passes) == 5  # 64 + 64 + 64 + 64 cached, then the last 44 with the drafts
-    assert isinstance(passes[0][1], VerifyResult) and passes[0][1].batch_tokens == 64 + 9 + 1
-    assert passes[0][1].batch_prefill_tokens == 64 + 9
-    whole = Verifier(SessionCaches(BatchedBackend(model, max_tokens=2048)), max_context=512)._verify_batch([long])[0]
-    assert (passes[-1][0].num_accepted, passes[-1][0].next_token_id) == (whole.num_accepted, whole.next_token_id)
-    assert passes[-1][0].prefill_tokens == 300 - 4 * 64
+    verifier = Verifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024, prefill_chunk=64)
+    first = verifier._verify_batch([long, other, short])
+    assert first[:2] == [AGAIN, AGAIN] and isinstance(first[2], VerifyResult)
+    assert first[2].batch_tokens == 64 + 9 + 1 and first[2].batch_prefill_tokens == 64 + 9
+    passes = [verifier._verify_batch([long, other])]
+    while AGAIN in passes[-1]:
+        passes.append(verifier._verify_batch([t for t, r in zip((long, other), passes[-1]) if r is AGAIN]))
+    # alone, 512 tokens per pass: long's 936 left in two (its verdict then, beside other's first 88),
+    # then other's remaining 212
+    assert [[isinstance(r, VerifyResult) for r in p] for p in passes] == [[False, False], [True, False], [True]]
+    assert passes[1][0].prefill_tokens == 1000 - 64 - 512 and passes[1][0].batch_tokens == 424 + 3 + 88
+    whole = Verifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024)
+    for task, result in ((long, passes[1][0]), (other, passes[2][0])):
+        alone = whole._verify_batch([task])[0]
+        assert (result.num_accepted, result.next_token_id) == (alone.num_accepted, alone.next_token_id)
