@@ -239,8 +239,11 @@ class Generation:
                 k, chosen = choice.k, proposers.get(choice.method)
             else:
                 k, chosen = max(0, min(k_fixed, cap)), proposer
-            # multi-step plain decoding, but not in a request's first round (its first token would wait)
-            steps = min(decode_steps, cap) if k == 0 and stats.rounds else 0
+            # multi-step plain decoding after plain and n-gram rounds (their steps keep the batch in
+            # step; a model round's next block is drafting), but not in a request's first round (its
+            # first token would wait)
+            plain = k == 0 or chosen is self.ngram
+            steps = min(decode_steps, cap - k) if plain and stats.rounds else 0
             rnd = speculator.round(session.token_ids, k, chosen, Decode(steps, stop_ids) if steps > 0 else NO_DECODE)
             if policy is not None:
                 policy.observe(rnd)

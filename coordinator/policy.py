@@ -24,20 +24,21 @@ with the most expected tokens per millisecond of the round's predicted wall time
   (a burst is known before its passes are measured). The model draft is weighed as if every session
   at this load drafted alike: the draft worker is shared, and one session's drafting slows everyone.
 
-Under load the parts stop adding up: sessions fall out of step and wait in each other's batches, a
-model round at c8 here took up to 3x its predicted time, and n-gram at c8 on grounded prompts served
-0.66x plain decoding while the cost model rated it higher. So which methods may be used at all, with
-two or more requests running, is measured rather than predicted: the MethodGate below. Where the
-gate keeps n-gram alone, a session drafts its lookup whenever it has one (up to 10 tokens, as the
-fixed n-gram configuration does), whatever the cost model says: the gate measured the mode as it
-was run, and the cost model undervalues n-gram, whose acceptance comes in runs (a copied passage
-accepts everything, free text nothing) where its formula assumes independent tokens. At 4 requests
-on input-grounded prompts, with the gate keeping n-gram, the cost model chose plain rounds so often
-that the policy served 0.92x plain decoding while n-gram K=10 served 1.34x.
+Under load the parts stop adding up: sessions fall out of step and wait in each other's batches,
+and a model round at c8 here took up to 3x its predicted time. So whether the draft model may be
+used at all, with two or more requests running, is measured rather than predicted: the MethodGate
+below. n-gram rounds cost the target a few more tokens in a pass and nothing else, and are chosen
+by the cost model at every load, round by round, with their acceptance valued in runs (Runs): a
+copied passage accepts everything, free text nothing, where Leviathan's formula assumes independent
+tokens. An earlier policy valued n-gram by one mean rate and let the gate measure plain decoding
+against n-gram in epochs of a second or more: on input-grounded prompts, whose copying comes and
+goes within seconds, the gate kept plain decoding and the policy served 0.70x n-gram K=10 at 4
+requests.
 
 Acceptance is per session and per method, starting from what this coordinator's sessions have seen
 lately (a new request does not relearn that the draft loses here). n-gram's is scored on every round
-for free: its lookup for the committed tokens is compared with what the target commits. The model
+for free: its lookup for the committed tokens is compared with what the target commits, and kept
+by position in the lookup and by whether the last lookup's first token was accepted. The model
 draft's is learnt when it drafts; while something else wins, it is retried for one round every
 PROBE_EVERY, and only if an optimistic acceptance would make it the best choice at the current costs.
 
@@ -203,7 +204,8 @@ class MethodGate:
     target share the cores with the coordinator, a session's n-gram block cuts short the others'
     multi-step calls, and a round at c8 here cost up to 3x its parts. So at each load level
     (requests running here: 2, 3-4, 5-8, 9-16, ...) the coordinator measures a session's tokens per
-    ms of its rounds in epochs of each mode (plain decoding only; n-gram too; the draft model too)
+    ms of its rounds in epochs of each of its modes (for the coordinator, GATED: n-gram alone, and
+    the draft model too; any sequence of modes, plainest first, e.g. MODES with plain decoding only)
     and keeps the best (a mode that drafts more only if it serves MARGIN more).
 
     - A cycle of tests runs each mode twice, in mirrored order (plain, n-gram, model, model,
@@ -531,7 +533,7 @@ class SpeculationPolicy:
         gate = self.costs.gate.allowed(self.costs.active) if self.costs.learns else ALL
         allowed = self.methods & gate
         if self._lookup and NGRAM in allowed:
-            options += [self._ngram(k) for k in NGRAM_KS if k <= min(max_k, len(self._lookup))]
+            options += [self._ngram(k, max_k) for k in NGRAM_KS if k <= min(max_k, len(self._lookup))]
         model = MODEL in allowed
         if model:
             alpha = self.alpha.value
@@ -576,13 +578,15 @@ class SpeculationPolicy:
             self.costs.observe_lookup(self._hit, matched, seen)
         self._hit = bool(self._lookup) and rnd.new_ids[:1] == self._lookup[:1]
 
-    def _ngram(self, k: int) -> Choice:
-        """This session's K tokens join a pass of n sessions: what the pass serves per session, its
-        (n - 1) others' tokens plus this one's, over the longer pass all of them wait for (the lookup
-        matched now, which the others' may not have: a symmetric guess would overrate it)."""
-        n = self.costs.load
-        tokens = n + self.runs.expected(self._hit, k)
-        return Choice(NGRAM, k, tokens / (n * self.costs.verify_ms(n + k, solo=True)))
+    def _ngram(self, k: int, max_k: int) -> Choice:
+        """This session's K tokens join a pass of n sessions, and its plain decoding steps follow as
+        after a plain round: what the call serves per session, the (n - 1) others' tokens (one per
+        pass) plus this one's, over the passes all of them wait for, the first longer by K tokens (the
+        lookup matched now, which the others' may not have: a symmetric guess would overrate it)."""
+        n, steps = self.costs.load, min(self.decode_steps, max_k - k)
+        tokens = n * (steps + 1) + self.runs.expected(self._hit, k)
+        ms = self.costs.verify_ms(n + k, solo=True) + self.costs.verify_ms(n, solo=True, passes=steps) - self.costs.verify_overhead_ms
+        return Choice(NGRAM, k, tokens / (n * ms))
 
     def _model(self, k: int, alpha: float) -> Choice:
         n = self.costs.load
