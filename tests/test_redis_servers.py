@@ -137,17 +137,21 @@ def test_killed_primary_rejoins_as_replica(sentinel_cluster):
     cluster = sentinel_cluster
     master = master_client(cluster)
     old = cluster.kill_primary()
-    new = cluster.wait_failover(old, timeout_s=60)
+    cluster.wait_failover(old, timeout_s=60)
     write_until_it_works(master, "while-down", "written")
 
     started = time.monotonic()
     node = cluster.restart(old)  # back as a master with its own AOF, until Sentinel demotes it
     print(f"old primary rejoined as a replica in {time.monotonic() - started:.1f} s")
+    # The master now: normally `new`, but with 1-s down-after a starved machine may see Sentinel fail
+    # over once more while the old primary resyncs (seen once on a loaded 2-core machine); what must
+    # hold is that the old primary follows whichever master the cluster has, with the acknowledged write.
+    current = cluster.master_address()
+    assert current != old
     with node.client() as rejoined:
         info = rejoined.info("replication")
-        assert info["role"] == "slave" and info["master_port"] == new[1] and info["master_link_status"] == "up"
+        assert info["role"] == "slave" and info["master_port"] == current[1] and info["master_link_status"] == "up"
         assert rejoined.get("while-down") == b"written"  # resynced from the new primary
-    assert cluster.master_address() == new
     master.close()
 
 
