@@ -669,7 +669,9 @@ class BatchedBackend:
         ).logits[0]
         if lean is not None:
             self._lean_checked = torch.equal(lean, logits)
-            if not self._lean_checked:
+            if self._lean_checked:
+                self._lean.share()
+            else:
                 log.warning("the lean forward pass differs from the model's own (max |diff| %.1e): "
                             "this backend keeps the model's", (lean - logits).abs().max().item())
                 self._lean = None

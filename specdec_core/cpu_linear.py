@@ -11,12 +11,10 @@ It also makes a row's result independent of how many rows share the call (BLAS's
 rows against 8 or more), so a session's logits no longer depend on what it was batched with. Except
 for one row: for some shapes (here, layers reading 1536 or more inputs, such as SmolLM2's down
 projection) oneDNN's one-row kernel sums in another order, and a plain decode alone differed from
-the same step batched by 5e-5 in the logits. Packing asks oneDNN once per weight shape whether a
-row alone comes out as it does among others; where it does not, a one-row input runs as two (the
-row twice). Only there: the two-row product costs 20% more than the one-row kernel over all layers. The
-results differ from BLAS's in the last bits (3e-6 on these layers), as any two kernels do: the
-reference a worker's output is compared with must run the same kernels, which it does when it is
-loaded by `models.load_causal_lm` too.
+the same step batched by 5e-5 in the logits. So fewer than MIN_ROWS rows run padded to MIN_ROWS
+(which is also faster here). The results differ from BLAS's in the last bits (3e-6 on these
+layers), as any two kernels do: the reference a worker's output is compared with must run the same
+kernels, which it does when it is loaded by `models.load_causal_lm` too.
 
 `pack_linears(model)` swaps the forward of every `nn.Linear` of a CPU model in float32 (or
 bfloat16 where oneDNN has it) for the packed one. A layer whose weight is also another module's
@@ -34,6 +32,11 @@ import torch
 log = logging.getLogger(__name__)
 
 PACKED = "onednn-packed"  # what kv layouts and logs call this kernel
+# Fewer rows than this run padded to it. oneDNN's kernels for 2 or more rows give a row the same
+# result whatever the row count (its one-row kernel does not, for some shapes), and on this
+# project's 2-core machine 4 rows cost less than 1, 2 or 3 (SmolLM2's layers, fused: 20.6 ms for
+# 1 row, 22.0 for 2, 17.5 for 3, 16.8 for 4, 19.7 for 8).
+MIN_ROWS = 4
 
 
 def available(dtype: torch.dtype) -> bool:
@@ -45,28 +48,24 @@ def available(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
+def _padded(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x [..., M, K] with M < MIN_ROWS padded to MIN_ROWS rows (zeros), and M; (x, 0) when not padded."""
     x = x.contiguous()
-    if self.specdec_one_row_differs and x.dim() >= 2 and x.numel() == x.shape[-1]:  # one row: run two
-        two = torch.ops.mkldnn._linear_pointwise(x.expand(*x.shape[:-2], 2, x.shape[-1]).contiguous(),
-                                                 self.specdec_packed_weight, self.bias, "none", [], "")
-        return two[..., :1, :]
-    return torch.ops.mkldnn._linear_pointwise(x, self.specdec_packed_weight, self.bias, "none", [], "")
+    rows = x.numel() // x.shape[-1] if x.dim() >= 2 else 0
+    if not 0 < rows < MIN_ROWS:
+        return x, 0
+    flat = x.reshape(rows, x.shape[-1])
+    return torch.cat((flat, flat.new_zeros(MIN_ROWS - rows, x.shape[-1]))), rows
 
 
-def _one_row_differs(m: torch.nn.Linear, seen: dict) -> bool:
-    """Whether oneDNN gives a row alone another result than the same row among others, for this
-    layer's shape (asked once per shape, on random rows, at the current thread count: asking at
-    other thread counts at load time, torch.set_num_threads back and forth, left the target worker's
-    passes 1.6x slower in the benchmark run)."""
-    packed, bias = m.specdec_packed_weight, m.bias
-    key = (m.in_features, m.out_features, packed.dtype, bias is not None)
-    if key not in seen:
-        x = torch.randn(4, m.in_features, generator=torch.Generator().manual_seed(0)).to(packed.dtype)
-        many = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-        seen[key] = any(not torch.equal(torch.ops.mkldnn._linear_pointwise(x[i:i + 1], packed, bias, "none", [], ""),
-                                        many[i:i + 1]) for i in range(4))
-    return seen[key]
+def _unpadded(y: torch.Tensor, x: torch.Tensor, rows: int) -> torch.Tensor:
+    return y[:rows].reshape(*x.shape[:-1], y.shape[-1]) if rows else y
+
+
+def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
+    padded, rows = _padded(x)
+    return _unpadded(torch.ops.mkldnn._linear_pointwise(padded, self.specdec_packed_weight, self.bias, "none", [], ""),
+                     x, rows)
 
 
 @torch.no_grad()
@@ -79,11 +78,9 @@ def pack_linears(model: torch.nn.Module) -> int:
         return 0
     shared = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Linear)
               for p in m.parameters(recurse=False)}
-    seen: dict = {}
     for m in linears:
         w = m.weight
         m.specdec_packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach())
-        m.specdec_one_row_differs = _one_row_differs(m, seen)
         m.forward = types.MethodType(_packed_forward, m)
         if id(w) not in shared:
             m.weight = torch.nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
@@ -97,3 +94,58 @@ def pack_linears(model: torch.nn.Module) -> int:
 
 def is_packed(model: torch.nn.Module) -> bool:
     return any(hasattr(m, "specdec_packed_weight") for m in model.modules())
+
+
+class Fused:
+    """Several packed linear layers that read the same input, as one: `x -> [x W_1^T | x W_2^T | ...]`
+    in one oneDNN call (one read of the input, one call's overhead instead of several; SmolLM2's q/k/v
+    and gate/up projections: 1 row 23.6 -> 21.0 ms, 8 rows 23.8 -> 20.3 ms for 30 layers here).
+    A column's sum runs over the same inputs in the same kernel, so the fused product is bit for bit
+    the layers' own (the lean pass checks its logits against the model's at the first batch anyway).
+    `add(x, other)`: the product plus `other` (a residual) in the same call, also bit for bit.
+
+    `share()` hands the layers' weights over: each layer then computes its output as its slice of the
+    fused product and the separate packed weights are dropped, so fusing costs no memory once the
+    fused product has been seen to agree."""
+
+    def __init__(self, *linears: torch.nn.Linear):
+        if not all(hasattr(m, "specdec_packed_weight") for m in linears):
+            raise ValueError("Fused takes packed linear layers (pack_linears)")
+        self.linears = linears
+        self.sizes = [m.out_features for m in linears]
+        if len(linears) == 1:  # one layer: its own packed weight, for `add`
+            self.weight, self.bias = linears[0].specdec_packed_weight, linears[0].bias
+        else:
+            dense = torch.cat([m.specdec_packed_weight.to_dense() for m in linears])
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(dense)
+            biases = [m.bias for m in linears]
+            if any(b is not None for b in biases):
+                biases = [b if b is not None else torch.zeros(n, dtype=dense.dtype) for b, n in zip(biases, self.sizes)]
+                self.bias = torch.cat(biases)
+            else:
+                self.bias = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        padded, rows = _padded(x)
+        return _unpadded(torch.ops.mkldnn._linear_pointwise(padded, self.weight, self.bias, "none", [], ""), x, rows)
+
+    def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        padded, rows = _padded(x)
+        other = _padded(other)[0] if rows else other.contiguous()
+        y = torch.ops.mkldnn._linear_pointwise.binary(padded, other, self.weight, self.bias, "add")
+        return _unpadded(y, x, rows)
+
+    def share(self) -> None:
+        if len(self.linears) == 1:
+            return
+        start = 0
+        for m, n in zip(self.linears, self.sizes):
+            m.forward = types.MethodType(_slice_forward(self, start, start + n), m)
+            m.specdec_packed_weight = self.weight
+            start += n
+
+
+def _slice_forward(fused: Fused, start: int, end: int):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused(x)[..., start:end]
+    return forward

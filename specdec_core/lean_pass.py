@@ -22,18 +22,27 @@ from __future__ import annotations
 
 import torch
 
+from specdec_core.cpu_linear import Fused
+
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj", "act_fn")
 _LAYER = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 
 
 class LeanPass:
-    """`__call__(input_ids [1, T], position_ids [1, T], view, rows [R]) -> logits [R, V]`."""
+    """`__call__(input_ids [1, T], position_ids [1, T], view, rows [R]) -> logits [R, V]`.
+
+    With packed CPU linears (`cpu_linear`), each layer's projections that read the same input run as
+    one (`cpu_linear.Fused`: q/k/v, gate/up) and the residual adds ride in the output projections'
+    calls; `share()` (once the first batch agreed) lets the model's own layers use the fused weights,
+    so fusing costs no memory. Rotary embedding runs on q and k together, token-major: rotate_half(x)
+    * sin is roll(x, d/2) * sin with the first half of sin negated (a sign flip, exact)."""
 
     def __init__(self, model):
         self.model = model
         self.decoder = model.model
         self.layers = list(self.decoder.layers[: model.config.num_hidden_layers])
+        self.fused = _fused_layers(model, self.layers)
 
     @classmethod
     def of(cls, model) -> LeanPass | None:
@@ -64,26 +73,78 @@ class LeanPass:
                 return None
         return cls(model)
 
+    def share(self) -> None:
+        """The lean pass agreed with the model: its layers may compute from the fused weights."""
+        for f in self.fused or ():
+            f.qkv.share()
+            f.gate_up.share()
+
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, view, rows: torch.Tensor) -> torch.Tensor:
         h = self.decoder.embed_tokens(input_ids)  # [1, T, hidden]
         cos, sin = self.decoder.rotary_emb(h, position_ids=position_ids)  # [1, T, head_dim]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        half = sin.shape[-1] // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [1, T, 1, head_dim]: token-major, over heads
         tokens = h.shape[1]
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
+            d, f = attn.head_dim, self.fused[i] if self.fused else None
             x = _rms_norm(layer.input_layernorm, h)
-            heads = (1, tokens, -1, attn.head_dim)
-            q = attn.q_proj.forward(x).view(heads).transpose(1, 2)  # [1, heads, T, d]
-            k = attn.k_proj.forward(x).view(heads).transpose(1, 2)  # [1, kv_heads, T, d]
-            v = attn.v_proj.forward(x).view(heads).transpose(1, 2)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            if f is not None:
+                qkv = f.qkv(x).view(1, tokens, -1, d)  # [1, T, heads + 2 kv_heads, d]
+                heads, kv = f.heads, f.kv_heads
+                qk = _rope(qkv[:, :, :heads + kv], cos, sin, half)
+                q, k, v = qk[:, :, :heads], qk[:, :, heads:], qkv[:, :, heads + kv:]
+            else:
+                q = _rope(attn.q_proj.forward(x).view(1, tokens, -1, d), cos, sin, half)
+                k = _rope(attn.k_proj.forward(x).view(1, tokens, -1, d), cos, sin, half)
+                v = attn.v_proj.forward(x).view(1, tokens, -1, d)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, heads, T, d]
             view.update(k, v, attn.layer_idx)
-            o = view.attend(attn.layer_idx, q, k, v, attn.scaling)  # [1, T, heads, d]
-            h = h + attn.o_proj.forward(o.reshape(1, tokens, -1).contiguous())
-            x = _rms_norm(layer.post_attention_layernorm, h)
-            h = h + mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
+            o = view.attend(attn.layer_idx, q, k, v, attn.scaling).reshape(1, tokens, -1)  # [1, T, heads d]
+            if f is not None:
+                h = f.o.add(o, h)
+                x = _rms_norm(layer.post_attention_layernorm, h)
+                gate, up = f.gate_up(x).split(f.intermediate, dim=-1)
+                h = f.down.add(mlp.act_fn(gate) * up, h)
+            else:
+                h = h + attn.o_proj.forward(o.contiguous())
+                x = _rms_norm(layer.post_attention_layernorm, h)
+                h = h + mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
         h = _rms_norm(self.decoder.norm, h)
         return self.model.lm_head.forward(h[:, rows, :])[0]
+
+
+class _FusedLayer:
+    """One layer's projections as fused packed linears."""
+
+    def __init__(self, layer):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = Fused(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o = Fused(attn.o_proj)
+        self.gate_up = Fused(mlp.gate_proj, mlp.up_proj)
+        self.down = Fused(mlp.down_proj)
+        self.heads = attn.q_proj.out_features // attn.head_dim
+        self.kv_heads = attn.k_proj.out_features // attn.head_dim
+        self.intermediate = mlp.gate_proj.out_features
+
+
+def _fused_layers(model, layers) -> list[_FusedLayer] | None:
+    """The layers' fused projections when every linear is packed, made once per model (a second
+    backend over the same model shares them)."""
+    fused = model.__dict__.get("_specdec_fused_layers")
+    if fused is None:
+        linears = [m for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+        if not linears or not all(hasattr(m, "specdec_packed_weight") for m in linears):
+            return None
+        fused = [_FusedLayer(layer) for layer in layers]
+        model.__dict__["_specdec_fused_layers"] = fused
+    return fused
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with sin's first half negated by the caller: [1, T, heads, d]."""
+    return x * cos + x.roll(half, dims=-1) * sin
 
 
 def _is_rms_norm(m) -> bool:
@@ -98,8 +159,3 @@ def _rms_norm(norm, h: torch.Tensor) -> torch.Tensor:
     h32 = h.to(torch.float32)
     variance = h32.pow(2).mean(-1, keepdim=True)
     return norm.weight * (h32 * torch.rsqrt(variance + norm.variance_epsilon)).to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -55,3 +55,25 @@ def test_a_sessions_logits_do_not_depend_on_its_batch():
     together = batch_bb.forward_batch([(h, s[-1:], len(s) - 1) for h, s in zip(batch, seqs)])
     for h, s, got in zip(solo, seqs, together):
         assert torch.equal(solo_bb.forward(h, s[-1:], len(s) - 1), got)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])
+def test_fused_layers_give_each_layers_own_product_and_residual_sum(rows):
+    """q/k/v (with biases, as Qwen2 has) and gate/up as one call: each layer's columns bit for bit its
+    own product, `add` bit for bit the product plus the residual; after `share()` the layers compute
+    from the fused weight (their own packed weights dropped) and still give the same numbers."""
+    torch.manual_seed(3)
+    q, k, v = torch.nn.Linear(64, 64), torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)
+    o = torch.nn.Linear(64, 64, bias=False)
+    model = torch.nn.ModuleList([q, k, v, o]).eval()
+    cpu_linear.pack_linears(model)
+    x = torch.randn(1, rows, 64)
+    residual = torch.randn(1, rows, 64)
+    with torch.inference_mode():
+        alone = [m(x) for m in (q, k, v)]
+        qkv = cpu_linear.Fused(q, k, v)
+        assert torch.equal(qkv(x), torch.cat(alone, dim=-1))
+        assert torch.equal(cpu_linear.Fused(o).add(x, residual), o(x) + residual)
+        qkv.share()
+        assert q.specdec_packed_weight is qkv.weight
+        assert all(torch.equal(m(x), want) for m, want in zip((q, k, v), alone))
