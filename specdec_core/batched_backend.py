@@ -17,7 +17,10 @@ How it works (the CPU path of transformers' continuous batching, with our own bo
   over the new positions; outside a batch (the same model object used elsewhere) it calls the
   implementation the model had before. A session never attends over another's keys: an earlier
   version ran one dense block-diagonal masked pass over all of them, which made 8 one-token decodes
-  at 600-token contexts cost 512 ms instead of 178 ms.
+  at 600-token contexts cost 512 ms instead of 178 ms. A model whose attention is our CPU kernel
+  (`cpu_attention`, what `models.load_causal_lm` sets up on the CPU) runs every session of a layer
+  in one call of that kernel instead, reading each session's keys at its slots (gathering nothing),
+  and gives a position the same bits whether it is decoded, verified or prefilled.
 - a session's blocks are kept one run of consecutive blocks where the pool has room: a new run
   starts in the first stretch of free blocks that leaves 256 tokens of room on either side, and a
   session grows into the block after its last. Its keys are then a view of the pool, which SDPA reads in place; only a session whose
@@ -72,6 +75,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
+from specdec_core import cpu_attention
 from specdec_core.errors import ResourceExhausted
 from specdec_core.kvcache import logits_per_item, prefix_hash
 from specdec_core.lean_pass import LeanPass
@@ -80,7 +84,7 @@ log = logging.getLogger(__name__)
 
 _ATTENTION = "specdec_paged"
 GROWTH_TOKENS = 256  # room to grow in place; each session's unused room may stay resident
-_SUPPORTED_ATTENTION = ("sdpa", "eager", _ATTENTION)
+_SUPPORTED_ATTENTION = ("sdpa", "eager", cpu_attention.NAME, _ATTENTION)
 
 
 class PagedSequence:
@@ -119,10 +123,12 @@ class _BatchView:
 
     is_compileable = False
 
-    def __init__(self, backend: BatchedBackend, write_index: torch.Tensor, items: list[_Item]):
+    def __init__(self, backend: BatchedBackend, write_index: torch.Tensor, items: list[_Item],
+                 kernel: cpu_attention.Batch | None = None):
         self.backend = backend
         self.write_index = write_index  # [T] slots of the new tokens, in batch order
         self.items = items
+        self.kernel = kernel  # every item in one call of the CPU kernel, else SDPA item by item
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: Any = None, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,6 +142,8 @@ class _BatchView:
                scaling: float | None) -> torch.Tensor:
         """query [1, heads, T, d], key/value the new [1, kv_heads, T, d] -> [1, T, heads, d]."""
         k_pool, v_pool = self.backend._k_pools[layer_idx], self.backend._v_pools[layer_idx]
+        if self.kernel is not None:
+            return self.kernel(query, k_pool, v_pool, scaling)
         outs = []
         for it in self.items:
             q = query[:, :, it.q0:it.q1]
@@ -225,6 +233,8 @@ class BatchedBackend:
         self._no_mask = torch.zeros(1, 1, 1, 1, dtype=self.torch_dtype, device=self.device)
         # the model's layers without transformers' module machinery, once checked to agree (_model_pass)
         self._lean = LeanPass.of(model) if lean else None
+        # the model's own attention is the CPU kernel (cpu_attention.enable): batches use it too
+        self._kernel = config._specdec_inner_attention == cpu_attention.NAME
         self._lean_checked = False
 
     # ------------------------------------------------------------------------------------------
@@ -621,6 +631,7 @@ class BatchedBackend:
         dev = self.device
         input_ids: list[int] = []
         positions, write, batch = [], [], []
+        kernel_items: list | None = [] if self._kernel else None  # (first row, rows, start, key slots)
         for handle, token_ids, start in items:
             n = len(token_ids)
             end = start + n
@@ -630,12 +641,17 @@ class BatchedBackend:
             read = mask = None
             if start:  # keys 0..end: a view of the pool when they are one run, else their slots
                 read = self._run_of(handle, end) or self._slots(handle, 0, end)
-                if n > 1:  # query j (position start + j) sees keys 0..start + j
+                if n > 1 and kernel_items is None:  # query j (position start + j) sees keys 0..start + j
                     pos = torch.arange(end)
                     mask = (pos[None, :] <= pos[start:, None]).to(dev)
             q0 = len(input_ids) - n
             batch.append(_Item(q0, q0 + n, read, mask, is_causal=not start and n > 1))
-        view = _BatchView(self, torch.cat(write), batch)
+            if kernel_items is not None:
+                keys = write[-1] if read is None else (
+                    torch.arange(read.start, read.stop) if isinstance(read, slice) else read)
+                kernel_items.append((q0, n, start, keys))
+        kernel = cpu_attention.Batch(kernel_items) if kernel_items else None
+        view = _BatchView(self, torch.cat(write), batch, kernel)
         ids = torch.tensor([input_ids], dtype=torch.long, device=dev)
         position_ids = torch.cat(positions).to(dev).unsqueeze(0)
         rows = _kept_rows(items, keep).to(dev)
