@@ -63,6 +63,7 @@ class Verdict:
     batch_prefill_tokens: int = 0  # of batch_tokens, committed tokens the target's caches did not hold
     decoded_ids: list[int] = field(default_factory=list)  # plain decoding steps' tokens, after next_token_id
     passes: int = 1  # the target's passes for the call: the verdict's, plus one per decoding step
+    pass_tokens: int = 0  # tokens of all those passes, all sessions together (0: not reported)
 
 
 @dataclass(frozen=True)

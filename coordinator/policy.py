@@ -434,7 +434,11 @@ class Costs:
         v, d, s = rnd.verdict, rnd.draft, self.smoothing
         with self._lock:
             if v is not None and 0 < v.batch_tokens and v.batch_prefill_tokens <= PREFILL_PER_SESSION * v.batch_size:
-                self._line(v.threads).observe(v.batch_tokens, v.compute_ms / v.passes)
+                # a pass's mean cost at its mean tokens (the line is linear, so the mean of the costs is
+                # the cost of the mean): the verdict's pass alone would charge an n-gram block's
+                # tokens to the plain decoding steps after it, and underrate what a token costs
+                tokens = v.pass_tokens / v.passes if v.pass_tokens else v.batch_tokens
+                self._line(v.threads).observe(tokens, v.compute_ms / v.passes)
                 self.verify_overhead_ms += s * (max(0.0, rnd.verify_ms - v.compute_ms) - self.verify_overhead_ms)
                 self.batch += s * (v.batch_size - self.batch)
             if (d.from_worker and d.batch_size > 0 and rnd.num_drafted > 0

@@ -207,7 +207,8 @@ class TargetClient(WorkerClient):
         ))
         return Verdict(response.num_accepted, response.next_token_id, response.compute_ms, response.batch_size,
                        logprobs_from_proto(response.logprobs), response.batch_tokens, response.threads,
-                       response.batch_prefill_tokens, list(response.decoded_ids), max(1, response.passes))
+                       response.batch_prefill_tokens, list(response.decoded_ids), max(1, response.passes),
+                       response.pass_tokens)
 
     def release(self, session_id: str) -> None:
         self.call(self.stub.ReleaseTargetCache, target_pb2.ReleaseTargetCacheRequest(session_id=session_id))

@@ -45,6 +45,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             batch_prefill_tokens=result.batch_prefill_tokens,
             decoded_ids=result.decoded_ids,
             passes=result.passes,
+            pass_tokens=result.pass_tokens,
         )
 
     @grpc_errors

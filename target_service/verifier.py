@@ -58,11 +58,13 @@ class VerifyResult:
     batch_prefill_tokens: int = 0  # of batch_tokens, committed tokens the caches did not hold
     decoded_ids: list[int] = field(default_factory=list)  # the decoding steps' tokens, after next_token_id
     passes: int = 1  # the verdict's, plus one per decoding step
+    pass_tokens: int = 0  # tokens of all the call's passes, all sessions together
 
     def then(self, step: VerifyResult) -> VerifyResult:
         """This result followed by a decoding step's token."""
         return replace(self, decoded_ids=self.decoded_ids + [step.next_token_id], logprobs=self.logprobs + step.logprobs,
-                       compute_ms=self.compute_ms + step.compute_ms, passes=self.passes + 1)
+                       compute_ms=self.compute_ms + step.compute_ms, passes=self.passes + 1,
+                       pass_tokens=self.pass_tokens + step.batch_tokens)
 
 
 @dataclass(frozen=True)
@@ -169,7 +171,7 @@ class Verifier:
         metrics.VERIFY_BATCH.observe(len(leased) + len(chunked))
         for i, num_accepted, next_token, logprobs in decided:
             result = VerifyResult(num_accepted, next_token, prefill[i], compute_ms, len(leased) + len(chunked),
-                                  logprobs, batch_tokens, threads, batch_prefill)
+                                  logprobs, batch_tokens, threads, batch_prefill, pass_tokens=batch_tokens)
             results[i] = self._next_step(tasks[i], result if tasks[i].so_far is None else tasks[i].so_far.then(result))
         return self._end_together(tasks, results)
 

@@ -30,7 +30,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., committed_ids: _Optional[_Iterable[int]] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., draft_in_flight: _Optional[bool] = ..., decode_steps: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token_id", "prefill_tokens", "compute_ms", "batch_size", "logprobs", "batch_tokens", "threads", "batch_prefill_tokens", "decoded_ids", "passes")
+    __slots__ = ("num_accepted", "next_token_id", "prefill_tokens", "compute_ms", "batch_size", "logprobs", "batch_tokens", "threads", "batch_prefill_tokens", "decoded_ids", "passes", "pass_tokens")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class VerifyResponse(_message.Message):
     BATCH_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DECODED_IDS_FIELD_NUMBER: _ClassVar[int]
     PASSES_FIELD_NUMBER: _ClassVar[int]
+    PASS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token_id: int
     prefill_tokens: int
@@ -53,7 +54,8 @@ class VerifyResponse(_message.Message):
     batch_prefill_tokens: int
     decoded_ids: _containers.RepeatedScalarFieldContainer[int]
     passes: int
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., batch_tokens: _Optional[int] = ..., threads: _Optional[int] = ..., batch_prefill_tokens: _Optional[int] = ..., decoded_ids: _Optional[_Iterable[int]] = ..., passes: _Optional[int] = ...) -> None: ...
+    pass_tokens: int
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., batch_tokens: _Optional[int] = ..., threads: _Optional[int] = ..., batch_prefill_tokens: _Optional[int] = ..., decoded_ids: _Optional[_Iterable[int]] = ..., passes: _Optional[int] = ..., pass_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseTargetCacheRequest(_message.Message):
     __slots__ = ("session_id",)

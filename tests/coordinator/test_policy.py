@@ -372,3 +372,19 @@ def test_plain_rounds_with_decoding_steps_are_valued_per_token():
     assert one.gain == pytest.approx(1 / 70, rel=0.05) and four.gain == pytest.approx(4 / 190, rel=0.05)
     capped = SpeculationPolicy(costs, frozenset(), overlap=False, decode_steps=3).choose([1, 2, 3], max_k=1)
     assert capped.gain == pytest.approx(2 / 110, rel=0.05)  # one token left after the verdict's: one step
+
+
+def test_a_calls_passes_are_learnt_at_their_mean_tokens():
+    """An n-gram block makes a call's first pass longer than its decoding steps: the line learns the
+    call's mean pass at the mean of its passes' tokens (pass_tokens / passes), not at the verdict
+    pass's tokens, which would make a token look several times cheaper than it is."""
+    costs = Costs()
+    for _ in range(60):  # passes cost 10 ms + 2 ms per token: 8 sessions plain, and with a 10-token block
+        costs.observe(Round([1] * 5, 0, 0, 0.0, 100.0, 8, [], Draft([]),
+                            Verdict(0, 1, 5 * 26.0, 8, [], 8, 2, decoded_ids=[1] * 4, passes=5, pass_tokens=40)))
+        costs.observe(Round([1] * 5, 0, 0, 0.0, 100.0, 8, [], Draft([]),
+                            Verdict(0, 1, 46.0 + 4 * 26.0, 8, [], 18, 2, decoded_ids=[1] * 4, passes=5,
+                                    pass_tokens=18 + 4 * 8)))
+    overhead = costs.verify_overhead_ms
+    assert costs.verify_ms(8, solo=True) - overhead == pytest.approx(26.0, rel=0.05)
+    assert costs.verify_ms(18, solo=True) - overhead == pytest.approx(46.0, rel=0.05)

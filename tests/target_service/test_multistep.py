@@ -72,6 +72,8 @@ def test_decoding_steps_follow_a_verified_draft(model):
     expected, _ = plain_rounds(verifier(model), prompt, draft, GREEDY, 5)
     tokens, result = one_call(verifier(model), prompt, draft, GREEDY, 4)
     assert result.num_accepted == 2 and tokens == expected and len(tokens) == 3 + 4
+    # the verdict's pass read the uncached prompt and the block; each step, one token
+    assert result.batch_tokens == len(prompt) + 3 and result.pass_tokens == len(prompt) + 3 + 4
 
 
 def test_decoding_steps_end_after_a_stop_token(model):
