@@ -18,7 +18,7 @@ How it works (the CPU path of transformers' continuous batching, with our own bo
   implementation the model had before. A session never attends over another's keys: an earlier
   version ran one dense block-diagonal masked pass over all of them, which made 8 one-token decodes
   at 600-token contexts cost 512 ms instead of 178 ms. A model whose attention is our CPU kernel
-  (`cpu_attention`, what `models.load_causal_lm` sets up on the CPU) runs every session of a layer
+  (`cpu_kernels`, what `models.load_causal_lm` sets up on the CPU) runs every session of a layer
   in one call of that kernel instead, reading each session's keys at its slots (gathering nothing),
   and gives a position the same bits whether it is decoded, verified or prefilled.
 - a session's blocks are kept one run of consecutive blocks where the pool has room: a new run
@@ -75,7 +75,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from specdec_core import cpu_attention
+from specdec_core import cpu_kernels
 from specdec_core.errors import ResourceExhausted
 from specdec_core.kvcache import logits_per_item, prefix_hash
 from specdec_core.lean_pass import LeanPass
@@ -84,7 +84,7 @@ log = logging.getLogger(__name__)
 
 _ATTENTION = "specdec_paged"
 GROWTH_TOKENS = 256  # room to grow in place; each session's unused room may stay resident
-_SUPPORTED_ATTENTION = ("sdpa", "eager", cpu_attention.NAME, _ATTENTION)
+_SUPPORTED_ATTENTION = ("sdpa", "eager", cpu_kernels.NAME, _ATTENTION)
 
 
 class PagedSequence:
@@ -124,7 +124,7 @@ class _BatchView:
     is_compileable = False
 
     def __init__(self, backend: BatchedBackend, write_index: torch.Tensor, items: list[_Item],
-                 kernel: cpu_attention.Batch | None = None):
+                 kernel: cpu_kernels.Batch | None = None):
         self.backend = backend
         self.write_index = write_index  # [T] slots of the new tokens, in batch order
         self.items = items
@@ -137,6 +137,16 @@ class _BatchView:
         k_pool.index_copy_(1, self.write_index, key_states[0])
         v_pool.index_copy_(1, self.write_index, value_states[0])
         return key_states, value_states  # the new ones; `attend` reads the rest from the pool
+
+    def write_qkv(self, layer_idx: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                  kv_heads: int) -> torch.Tensor:
+        """The CPU kernels' `update` for a fused q/k/v [T, heads + 2 kv_heads, d]: the rotary
+        embedding of q and k (cos, sin [T, d], sin's first half negated) in place and the new keys and
+        values written to the pool, in one call; the queries [1, heads, T, d]."""
+        like = qkv[:, heads:heads + kv_heads].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, T, d]
+        k_pool, v_pool = self.backend._pools(layer_idx, like)
+        cpu_kernels.rope_write(qkv, cos, sin, heads, kv_heads, k_pool, v_pool, self.write_index)
+        return qkv[:, :heads].transpose(0, 1).unsqueeze(0)
 
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float | None) -> torch.Tensor:
@@ -233,8 +243,8 @@ class BatchedBackend:
         self._no_mask = torch.zeros(1, 1, 1, 1, dtype=self.torch_dtype, device=self.device)
         # the model's layers without transformers' module machinery, once checked to agree (_model_pass)
         self._lean = LeanPass.of(model) if lean else None
-        # the model's own attention is the CPU kernel (cpu_attention.enable): batches use it too
-        self._kernel = config._specdec_inner_attention == cpu_attention.NAME
+        # the model's own attention is the CPU kernel (cpu_kernels.enable): batches use it too
+        self._kernel = config._specdec_inner_attention == cpu_kernels.NAME
         self._lean_checked = False
 
     # ------------------------------------------------------------------------------------------
@@ -650,7 +660,7 @@ class BatchedBackend:
                 keys = write[-1] if read is None else (
                     torch.arange(read.start, read.stop) if isinstance(read, slice) else read)
                 kernel_items.append((q0, n, start, keys))
-        kernel = cpu_attention.Batch(kernel_items) if kernel_items else None
+        kernel = cpu_kernels.Batch(kernel_items) if kernel_items else None
         view = _BatchView(self, torch.cat(write), batch, kernel)
         ids = torch.tensor([input_ids], dtype=torch.long, device=dev)
         position_ids = torch.cat(positions).to(dev).unsqueeze(0)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec_core.cpu_kernels import is_rms_norm
 from specdec_core.cpu_linear import Fused
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -36,7 +37,10 @@ class LeanPass:
     one (`cpu_linear.Fused`: q/k/v, gate/up) and the residual adds ride in the output projections'
     calls; `share()` (once the first batch agreed) lets the model's own layers use the fused weights,
     so fusing costs no memory. Rotary embedding runs on q and k together, token-major: rotate_half(x)
-    * sin is roll(x, d/2) * sin with the first half of sin negated (a sign flip, exact)."""
+    * sin is roll(x, d/2) * sin with the first half of sin negated (a sign flip, exact). Where the
+    CPU kernels serve the batch (`cpu_kernels`), the rotary embedding and the pool writes are one
+    call of theirs (the same bits as PyTorch's operations), and the norms are the model's own forward
+    (the kernel's, when `cpu_kernels.enable` swapped it in)."""
 
     def __init__(self, model):
         self.model = model
@@ -51,7 +55,7 @@ class LeanPass:
         if decoder is None or not hasattr(model, "lm_head") or any(
                 not hasattr(decoder, name) for name in ("embed_tokens", "rotary_emb", "layers", "norm")):
             return None
-        if type(decoder.embed_tokens) is not torch.nn.Embedding or not _is_rms_norm(decoder.norm):
+        if type(decoder.embed_tokens) is not torch.nn.Embedding or not is_rms_norm(decoder.norm):
             return None
         if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
             return None
@@ -65,7 +69,7 @@ class LeanPass:
                 return None
             if {name for name, _ in mlp.named_children()} != set(_MLP):
                 return None
-            if not (_is_rms_norm(layer.input_layernorm) and _is_rms_norm(layer.post_attention_layernorm)):
+            if not (is_rms_norm(layer.input_layernorm) and is_rms_norm(layer.post_attention_layernorm)):
                 return None
             if not all(isinstance(getattr(attn, n), torch.nn.Linear) for n in _ATTENTION):
                 return None
@@ -84,35 +88,49 @@ class LeanPass:
         cos, sin = self.decoder.rotary_emb(h, position_ids=position_ids)  # [1, T, head_dim]
         half = sin.shape[-1] // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        # the kernel's rotary embedding and pool writes in one call (view.kernel: the CPU kernels serve)
+        flat = (cos[0].contiguous(), sin[0].contiguous()) if view.kernel is not None and self.fused else None
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [1, T, 1, head_dim]: token-major, over heads
         tokens = h.shape[1]
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             d, f = attn.head_dim, self.fused[i] if self.fused else None
-            x = _rms_norm(layer.input_layernorm, h)
-            if f is not None:
-                qkv = f.qkv(x).view(1, tokens, -1, d)  # [1, T, heads + 2 kv_heads, d]
-                heads, kv = f.heads, f.kv_heads
-                qk = _rope(qkv[:, :, :heads + kv], cos, sin, half)
-                q, k, v = qk[:, :, :heads], qk[:, :, heads:], qkv[:, :, heads + kv:]
+            x = layer.input_layernorm.forward(h)
+            if flat is not None and flat[0].shape[-1] == d:
+                qkv = f.qkv(x).view(tokens, -1, d)  # [T, heads + 2 kv_heads, d]
+                q = view.write_qkv(attn.layer_idx, qkv, *flat, f.heads, f.kv_heads)
+                o = view.attend(attn.layer_idx, q, None, None, attn.scaling).reshape(1, tokens, -1)
             else:
-                q = _rope(attn.q_proj.forward(x).view(1, tokens, -1, d), cos, sin, half)
-                k = _rope(attn.k_proj.forward(x).view(1, tokens, -1, d), cos, sin, half)
-                v = attn.v_proj.forward(x).view(1, tokens, -1, d)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, heads, T, d]
-            view.update(k, v, attn.layer_idx)
-            o = view.attend(attn.layer_idx, q, k, v, attn.scaling).reshape(1, tokens, -1)  # [1, T, heads d]
+                o = self._attention(view, attn, f, x, cos, sin, half)
             if f is not None:
                 h = f.o.add(o, h)
-                x = _rms_norm(layer.post_attention_layernorm, h)
+                x = layer.post_attention_layernorm.forward(h)
                 gate, up = f.gate_up(x).split(f.intermediate, dim=-1)
                 h = f.down.add(mlp.act_fn(gate) * up, h)
             else:
                 h = h + attn.o_proj.forward(o.contiguous())
-                x = _rms_norm(layer.post_attention_layernorm, h)
+                x = layer.post_attention_layernorm.forward(h)
                 h = h + mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
-        h = _rms_norm(self.decoder.norm, h)
+        h = self.decoder.norm.forward(h)
         return self.model.lm_head.forward(h[:, rows, :])[0]
+
+    @staticmethod
+    def _attention(view, attn, f: _FusedLayer | None, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   half: int) -> torch.Tensor:
+        """The layer's attention with PyTorch's operations: q/k/v, rotary, pool writes -> [1, T, heads d]."""
+        tokens, d = x.shape[1], attn.head_dim
+        if f is not None:
+            qkv = f.qkv(x).view(1, tokens, -1, d)  # [1, T, heads + 2 kv_heads, d]
+            heads, kv = f.heads, f.kv_heads
+            qk = _rope(qkv[:, :, :heads + kv], cos, sin, half)
+            q, k, v = qk[:, :, :heads], qk[:, :, heads:], qkv[:, :, heads + kv:]
+        else:
+            q = _rope(attn.q_proj.forward(x).view(1, tokens, -1, d), cos, sin, half)
+            k = _rope(attn.k_proj.forward(x).view(1, tokens, -1, d), cos, sin, half)
+            v = attn.v_proj.forward(x).view(1, tokens, -1, d)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, heads, T, d]
+        view.update(k, v, attn.layer_idx)
+        return view.attend(attn.layer_idx, q, k, v, attn.scaling).reshape(1, tokens, -1)  # [1, T, heads d]
 
 
 class _FusedLayer:
@@ -145,17 +163,3 @@ def _fused_layers(model, layers) -> list[_FusedLayer] | None:
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin, with sin's first half negated by the caller: [1, T, heads, d]."""
     return x * cos + x.roll(half, dims=-1) * sin
-
-
-def _is_rms_norm(m) -> bool:
-    """A Llama-style RMSNorm: a weight and an epsilon, nothing else (Gemma's 1 + weight has another forward)."""
-    return (type(m).__name__ in ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
-            and hasattr(m, "variance_epsilon") and not list(m.children()))
-
-
-def _rms_norm(norm, h: torch.Tensor) -> torch.Tensor:
-    """LlamaRMSNorm.forward, operation for operation."""
-    dtype = h.dtype
-    h32 = h.to(torch.float32)
-    variance = h32.pow(2).mean(-1, keepdim=True)
-    return norm.weight * (h32 * torch.rsqrt(variance + norm.variance_epsilon)).to(dtype)

@@ -104,12 +104,12 @@ def load_causal_lm(ref: str, dtype: str = "float32", device: str = "cpu", cache_
     over the initialized process group with the model's own tensor-parallel plan. On the CPU its
     linear layers run on oneDNN with packed weights (`cpu_linear`; SPECDEC_PACKED_LINEARS=0 keeps
     PyTorch's own; not under tensor parallelism, whose hooks wrap the layers' weights) and its
-    attention on our kernel (`cpu_attention`; SPECDEC_CPU_ATTENTION=0 keeps SDPA): everything that
+    attention on our kernel (`cpu_kernels`; SPECDEC_CPU_ATTENTION=0 keeps SDPA): everything that
     loads a model here runs the same kernels, so their outputs compare bit for bit."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from specdec_core import cpu_attention
+    from specdec_core import cpu_kernels
 
     path = resolve_model(ref, cache_dir)
     if tensor_parallel:
@@ -117,12 +117,12 @@ def load_causal_lm(ref: str, dtype: str = "float32", device: str = "cpu", cache_
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
                                                      distributed_config=DistributedConfig(tp_plan="auto"))
-        cpu_attention.enable(model)
+        cpu_kernels.enable(model)
         return model.eval()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     if os.environ.get("SPECDEC_PACKED_LINEARS", "1") != "0":
         from specdec_core.cpu_linear import pack_linears
 
         pack_linears(model)
-    cpu_attention.enable(model)
+    cpu_kernels.enable(model)
     return model

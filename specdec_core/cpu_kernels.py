@@ -1,5 +1,6 @@
-"""Attention on the CPU by our own kernel (`csrc/attention.c`), for every sequence of a batch in one
-call, and for the model's own forward too, so that every path computes a position the same way.
+"""Our own CPU kernels (`csrc/kernels.c`): attention for every sequence of a batch in one call, RMS
+normalization, and the rotary embedding with the KV pool writes; used by the model's own forward
+too, so that every path computes a position the same way.
 
 Why: exactness and speed.
 - SDPA's CPU kernels take one path for a single query row and another for a masked block of rows:
@@ -9,16 +10,19 @@ Why: exactness and speed.
   in the call (other sessions, other rows of its block, the thread count): decode, verify and
   prefill give a position the same bits, and a batch changes nothing.
 - a decode step of 8 sessions called SDPA 240 times (one per session and layer, ~38 us each); the
-  kernel takes every session of a layer in one call.
+  kernel takes every session of a layer in one call. RMS normalization (7 PyTorch operations) and
+  the rotary embedding with the pool writes (6) are one call each, where a decode step is mostly
+  the Python and dispatch around small operations.
 
 The kernel is C compiled here at first use with the system's C compiler (`cc`, or $CC; AVX2/FMA
 when the CPU has them) into the cache directory, and called through ctypes: no build step at
-install. Where no compiler works, or SPECDEC_CPU_ATTENTION=0, models keep SDPA.
+install. Where no compiler works, or SPECDEC_CPU_ATTENTION=0, models keep SDPA and their own norms.
 
-`enable(model)` (called by `models.load_causal_lm` for CPU float32 models) registers the kernel as
-the model's attention implementation `specdec-cpu`, which transformers then calls for the model's own
-forward (`generate`, the tests' reference decodes); `BatchedBackend` sees that implementation and
-runs its batches through `Batch`.
+`enable(model)` (called by `models.load_causal_lm` for CPU float32 models) registers the attention
+kernel as the model's attention implementation `specdec-cpu`, which transformers then calls for the
+model's own forward (`generate`, the tests' reference decodes), and swaps its RMS norms' forward for
+the kernel's; `BatchedBackend` sees that implementation and runs its batches through `Batch`, and
+the lean pass uses `rope_write`, which gives PyTorch's own bits (elementwise, rounded the same way).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import types
 from pathlib import Path
 
 import torch
@@ -39,7 +44,7 @@ import torch
 log = logging.getLogger(__name__)
 
 NAME = "specdec-cpu"  # the attention implementation's name in transformers' registry
-_SOURCE = Path(__file__).parent / "csrc" / "attention.c"
+_SOURCE = Path(__file__).parent / "csrc" / "kernels.c"
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -59,13 +64,14 @@ def _compile(cache_dir: Path) -> Path | None:
     if cc is None:
         return None
     source = _SOURCE.read_bytes()
-    for flags in (["-O3", "-fPIC", "-shared", "-fopenmp", *_isa_flags()], ["-O3", "-fPIC", "-shared", *_isa_flags()]):
+    base = ["-O3", "-fPIC", "-shared", "-ffp-contract=off"]
+    for flags in ([*base, "-fopenmp", *_isa_flags()], [*base, *_isa_flags()]):
         try:
             version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
         except (OSError, subprocess.SubprocessError):
             return None
         key = hashlib.sha256(source + " ".join([cc, version, *flags]).encode()).hexdigest()[:16]
-        target = cache_dir / f"attention-{key}.so"
+        target = cache_dir / f"kernels-{key}.so"
         if target.exists():
             return target
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -99,6 +105,10 @@ def library() -> ctypes.CDLL | None:
     lib.specdec_attention.restype = ctypes.c_int
     lib.specdec_attention.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, ctypes.c_float, _I64,
                                       _P, _P, _P, _P, _P]
+    lib.specdec_rms_norm.restype = None
+    lib.specdec_rms_norm.argtypes = [_P, _P, _P, _I64, _I64, ctypes.c_float]
+    lib.specdec_rope_write.restype = None
+    lib.specdec_rope_write.argtypes = [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _I64, _P]
     return lib
 
 
@@ -108,7 +118,7 @@ def supports(model) -> bool:
     head_dim = getattr(model.config, "head_dim", None) or (
         model.config.hidden_size // model.config.num_attention_heads)
     return (param is not None and param.device.type == "cpu" and param.dtype == torch.float32
-            and head_dim % 8 == 0 and library() is not None)
+            and head_dim % 8 == 0 and head_dim <= 512 and library() is not None)
 
 
 def enable(model) -> bool:
@@ -122,7 +132,44 @@ def enable(model) -> bool:
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)  # None where causality alone decides (the usual case)
     model.set_attn_implementation(NAME)
+    for m in model.modules():
+        if is_rms_norm(m):
+            m.forward = types.MethodType(_rms_norm_forward(type(m).forward), m)
     return True
+
+
+RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
+
+
+def is_rms_norm(m) -> bool:
+    """A Llama-style RMSNorm: a weight and an epsilon, nothing else (Gemma's 1 + weight has another forward)."""
+    return (type(m).__name__ in RMS_NORMS and hasattr(m, "variance_epsilon") and isinstance(m.weight, torch.Tensor)
+            and not list(m.children()))
+
+
+def _rms_norm_forward(own):
+    """An RMS norm's forward on the kernel for float32 CPU rows; `own` (its class's forward) otherwise."""
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if (hidden_states.dtype != torch.float32 or w.dtype != torch.float32 or hidden_states.device.type != "cpu"
+                or hidden_states.requires_grad):
+            return own(self, hidden_states)
+        x = hidden_states.contiguous()
+        y = torch.empty_like(x)
+        n = x.shape[-1]
+        library().specdec_rms_norm(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // n, n, self.variance_epsilon)
+        return y
+    return forward
+
+
+def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+               k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> None:
+    """In place on qkv [T, heads + 2 kv_heads, d] (contiguous): the rotary embedding of q and k, with
+    cos and sin [T, d] (sin's first half negated), and every token's key and value written to the
+    pools [kv_heads, slots, d] at `slots` [T] (int64)."""
+    tokens, _, d = qkv.shape
+    library().specdec_rope_write(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, kv_heads, d,
+                                 k_pool.data_ptr(), v_pool.data_ptr(), k_pool.stride(0), slots.data_ptr())
 
 
 class Batch:

@@ -186,3 +186,67 @@ int specdec_attention(const float* q, int64_t q_token_stride, int64_t q_head_str
     free(first_unit);
     return failed;
 }
+
+/* RMS normalization of rows of n floats: y = w * (x * (1 / sqrt(mean(x^2) + eps))). The sum of squares
+   runs over the row in 8 lanes (or in order) and is then reduced in a fixed order: a row's result
+   depends on that row alone. */
+void specdec_rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps) {
+#pragma omp parallel for schedule(static) if (rows * n >= 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        const float* xr = x + r * n;
+        float* yr = y + r * n;
+        float sum = 0.0f;
+#ifdef SPECDEC_AVX2
+        int64_t i = 0;
+        __m256 acc = _mm256_setzero_ps();
+        for (; i + 8 <= n; i += 8) {
+            __m256 v = _mm256_loadu_ps(xr + i);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        sum = hsum8(acc);
+        for (; i < n; i++) sum += xr[i] * xr[i];
+#else
+        for (int64_t i = 0; i < n; i++) sum += xr[i] * xr[i];
+#endif
+        float inv = 1.0f / sqrtf(sum / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) yr[i] = w[i] * (xr[i] * inv);
+    }
+}
+
+/* The rotary embedding of a layer's fused q/k/v rows, in place, and their keys and values written
+   to the pools. qkv [T, heads + 2 kv_heads, d] contiguous; cos, sin [T, d] with sin's first half
+   negated: x_i cos_i + x_{(i + d/2) mod d} sin_i, each product rounded, then the sum (PyTorch's
+   x * cos + rotate_half(x) * sin, bit for bit). Key head g of token t goes to pool slot slots[t]. */
+void specdec_rope_write(float* qkv, const float* cos, const float* sin, int64_t tokens, int64_t heads,
+                        int64_t kv_heads, int64_t d, float* k_pool, float* v_pool, int64_t pool_head_stride,
+                        const int64_t* slots) {
+    int64_t width = heads + 2 * kv_heads, half = d / 2;
+#pragma omp parallel for schedule(static) if (tokens >= 16)
+    for (int64_t t = 0; t < tokens; t++) {
+        float x[512];
+        const float* c = cos + t * d;
+        const float* s = sin + t * d;
+        for (int64_t h = 0; h < heads + kv_heads; h++) {
+            float* row = qkv + (t * width + h) * d;
+            for (int64_t i = 0; i < d; i++) x[i] = row[i];
+            for (int64_t i = 0; i < half; i++) {
+                float a = x[i] * c[i], b = x[i + half] * s[i];
+                row[i] = a + b;
+            }
+            for (int64_t i = half; i < d; i++) {
+                float a = x[i] * c[i], b = x[i - half] * s[i];
+                row[i] = a + b;
+            }
+        }
+        for (int64_t g = 0; g < kv_heads; g++) {
+            const float* k = qkv + (t * width + heads + g) * d;
+            const float* v = qkv + (t * width + heads + kv_heads + g) * d;
+            float* kd = k_pool + g * pool_head_stride + slots[t] * d;
+            float* vd = v_pool + g * pool_head_stride + slots[t] * d;
+            for (int64_t i = 0; i < d; i++) {
+                kd[i] = k[i];
+                vd[i] = v[i];
+            }
+        }
+    }
+}

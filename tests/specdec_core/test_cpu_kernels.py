@@ -1,7 +1,8 @@
-"""specdec_core.cpu_attention: the CPU attention kernel is right (against float64 math), gives a
+"""specdec_core.cpu_kernels: the CPU attention kernel is right (against float64 math), gives a
 position the same bits however it is computed (decoded alone, verified in a block, prefilled,
 batched with other sessions, on any number of threads), and a model that uses it gives the same
-logits through its own forward (transformers' generate) as through BatchedBackend's batches."""
+logits through its own forward (transformers' generate) as through BatchedBackend's batches; the
+RMS norm kernel is right and row by row; the rotary embedding with the pool writes gives PyTorch's bits."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdec_core import cpu_attention
+from specdec_core import cpu_kernels
 from specdec_core.batched_backend import BatchedBackend
 from specdec_core.cpu_linear import pack_linears
 
-pytestmark = pytest.mark.skipif(cpu_attention.library() is None, reason="no C compiler for the kernel")
+pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler for the kernels")
 
 HEADS, KV_HEADS, D = 6, 2, 64
 
@@ -44,7 +45,7 @@ def pools(length: int, seed: int):
 
 def run(q, k_pool, v_pool, items):
     """q [T, heads, d] -> [T, heads, d] through the kernel; items (first row, rows, first_pos, slots)."""
-    return cpu_attention.Batch(items)(q.transpose(0, 1).unsqueeze(0), k_pool, v_pool, D ** -0.5)[0]
+    return cpu_kernels.Batch(items)(q.transpose(0, 1).unsqueeze(0), k_pool, v_pool, D ** -0.5)[0]
 
 
 @pytest.mark.parametrize("length", [1, 7, 8, 9, 300])
@@ -86,8 +87,8 @@ def tiny_model() -> LlamaForCausalLM:
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     model = LlamaForCausalLM(config).eval()
     pack_linears(model)
-    assert cpu_attention.enable(model)
-    assert model.config._attn_implementation == cpu_attention.NAME
+    assert cpu_kernels.enable(model)
+    assert model.config._attn_implementation == cpu_kernels.NAME
     return model
 
 
@@ -126,10 +127,56 @@ def test_padding_falls_back_to_sdpa(caplog):
 
 
 def test_without_a_compiler_models_keep_sdpa(tmp_path):
-    code = ("from specdec_core import cpu_attention; from transformers import LlamaConfig, LlamaForCausalLM;"
+    code = ("from specdec_core import cpu_kernels; from transformers import LlamaConfig, LlamaForCausalLM;"
             "m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,"
             " num_attention_heads=2, num_key_value_heads=1));"
-            "print(cpu_attention.library() is None, cpu_attention.enable(m), m.config._attn_implementation)")
+            "print(cpu_kernels.library() is None, cpu_kernels.enable(m), m.config._attn_implementation)")
     env = {**os.environ, "CC": "/bin/false", "SPECDEC_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.stdout.split() == ["True", "False", "sdpa"], done.stderr
+
+
+def test_rms_norm_is_right_and_a_row_does_not_depend_on_the_others():
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(9, 576, generator=g), torch.randn(576, generator=g)
+    norm = type("LlamaRMSNorm", (torch.nn.Module,), {})()
+    norm.weight, norm.variance_epsilon = w, 1e-5
+    forward = cpu_kernels._rms_norm_forward(lambda self, h: None)
+    got = forward(norm, x)
+    want = w.double() * x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(forward(norm, x[i:i + 1])[0], got[i]) for i in range(9))
+
+
+def test_rope_write_gives_pytorchs_bits_and_fills_the_pools():
+    """The rotary embedding in the kernel rounds each product and the sum as PyTorch does (x * cos +
+    rotate_half(x) * sin), and writes each token's key and value at its slot."""
+    tokens, heads, kv, d = 5, 4, 2, 64
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(tokens, heads + 2 * kv, d, generator=g)
+    angles = torch.rand(tokens, d // 2, generator=g) * 100
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    half = d // 2
+    rotated = torch.cat((-qkv[..., half:], qkv[..., :half]), dim=-1)
+    want = qkv[:, :heads + kv] * cos[:, None] + rotated[:, :heads + kv] * sin[:, None]
+    k_pool, v_pool = torch.zeros(kv, 16, d), torch.zeros(kv, 16, d)
+    slots = torch.tensor([3, 9, 0, 15, 4])
+    signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).contiguous()
+    got = qkv.clone()
+    cpu_kernels.rope_write(got, cos, signed, heads, kv, k_pool, v_pool, slots)
+    assert torch.equal(got[:, :heads + kv], want)
+    assert torch.equal(got[:, heads + kv:], qkv[:, heads + kv:])  # values untouched
+    assert torch.equal(k_pool[:, slots], want[:, heads:].transpose(0, 1))
+    assert torch.equal(v_pool[:, slots], qkv[:, heads + kv:].transpose(0, 1))
+    assert not k_pool[:, [1, 2]].any()  # nothing else written
+
+
+def test_enable_swaps_the_norms_forward_for_the_kernel():
+    model = tiny_model()
+    norm = model.model.layers[0].input_layernorm
+    x = torch.randn(1, 3, 128)
+    own = type(norm).forward(norm, x)
+    with torch.inference_mode():
+        got = norm(x)
+    torch.testing.assert_close(got, own, atol=1e-5, rtol=0)
+    assert norm.forward.__func__ is not type(norm).forward
