@@ -74,13 +74,6 @@ NGRAM_KS = range(1, 11)
 PROBE_EVERY = 16
 OPTIMISTIC_ALPHA = 0.7  # the model's prior acceptance, and what a retry hopes for
 SWITCH_MARGIN = 0.03  # keep the current method unless another is this much better (a switch drops a bet)
-# Under load (two or more sessions per pass), a session drafts only if that is predicted to serve
-# this much more than plain decoding: its block lengthens every session's pass and its call falls
-# out of step with theirs, which the cost model does not see. In the 2026-12-06 run the policy's
-# n-gram rounds at 8 requests served 0.91-0.94x plain decoding on every prompt set while the cost
-# model rated them a few percent better; where n-gram wins under load it wins by far more (grounded
-# prompts at 4 requests: 1.30x).
-LOAD_MARGIN = 0.10
 # A pass or draft batch that prefilled more than this per session says little of a round's cost.
 PREFILL_PER_SESSION = 2
 
@@ -553,8 +546,6 @@ class SpeculationPolicy:
         current = max((c for c in options if c.method == self._method), key=lambda c: c.gain, default=None)
         if current is not None and current.gain >= best.gain * (1 - SWITCH_MARGIN):
             best = current
-        if self.costs.load >= 2 and best.gain < options[0].gain * (1 + LOAD_MARGIN):
-            best = options[0]  # plain decoding
         if model and best.method != MODEL:
             self._since_model += 1
             if self._since_model >= PROBE_EVERY:

@@ -8,7 +8,6 @@ import pytest
 from coordinator.loop import Draft, Round, Verdict
 from coordinator.policy import (
     ALL,
-    LOAD_MARGIN,
     NGRAM_ONLY,
     PLAIN,
     FIXED,
@@ -355,33 +354,6 @@ def test_under_load_the_gate_decides_the_model_draft_and_the_cost_model_decides_
     assert policy.choose(committed, 100) == Choice(NGRAM, 10, policy.choose(committed, 100).gain)
     costs.active = 1
     assert policy.choose([40, 41, 42, 43], 100).method == MODEL  # alone the gate allows everything
-
-def test_under_load_a_session_drafts_only_when_that_beats_plain_decoding_by_the_load_margin():
-    """A lookup worth a little more than a plain round is taken alone, but not under load, where its
-    block lengthens the other sessions' passes (measured: 0.91-0.94x plain at 8 requests); a copied
-    passage, worth far more, is taken at any load."""
-    text = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
-    committed = [1, 2] + text + [3] + text[:2]  # the lookup: text[2:], 10 tokens
-
-    def policy(batch: int, first: float, later: float) -> SpeculationPolicy:
-        """Sessions per pass, and what a lookup is worth: its first token right with probability
-        `first`, each later one (given the ones before) with `later`."""
-        costs = Costs()
-        feed(costs, batch=batch, verify={1: (40.0, 2.0)}, draft_ms_per_token=30.0)
-        costs.active = batch
-        p = SpeculationPolicy(costs, frozenset({NGRAM}), overlap=False)
-        for rates in p.runs.rates.values():
-            for j, rate in enumerate(rates):
-                rate.successes, rate.trials = 1e6 * (first if j == 0 else later), 1e6
-        return p
-
-    alone, loaded = policy(1, 0.5, 0.0), policy(8, 0.5, 0.0)
-    assert alone.choose(committed, 100).method == NGRAM
-    assert loaded.choose(committed, 100).method == NONE
-    plain = loaded.choose([40, 41], 100).gain  # no match: a plain round's value
-    assert plain < loaded._ngram(1, 100).gain < (1 + LOAD_MARGIN) * plain  # rated better, within the margin
-    assert policy(8, 1.0, 1.0).choose(committed, 100).method == NGRAM  # a copied passage
-
 
 def test_plain_rounds_with_decoding_steps_are_valued_per_token():
     """With --decode-steps, a plain round is s + 1 passes in one call: it pays the call's overhead
