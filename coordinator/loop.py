@@ -122,7 +122,8 @@ class Speculator:
         self.executor = executor  # None: no overlap
         self.min_confidence = min_confidence
         self._prefetched: _Bet | None = None
-        self._warmup: tuple[Future, int, list[int]] | None = None  # (proposal, prefix length, prefix tail)
+        # (proposal, prefix length, prefix tail, its cancel token)
+        self._warmup: tuple[Future, int, list[int], CancelToken] | None = None
         self._warmed = False  # the draft has been asked for this session
         self.prefetch_hits = 0
 
@@ -133,6 +134,8 @@ class Speculator:
         started = time.perf_counter()
         proposer = proposer or self.proposer
         overlaps = proposer is self.proposer and self.executor is not None
+        if not (overlaps and k > 0):
+            self._drop_warm_up()
         draft = self._take_prefetched(committed_ids, k if overlaps else 0)
         if draft is None and k > 0 and proposer is not None:
             draft = self._warm_up(committed_ids, k) if overlaps else None
@@ -213,15 +216,25 @@ class Speculator:
             self._warmed = True
             token = CancelToken()
             self._warmup = (self._submit(token, committed_ids, k + 1),
-                            len(committed_ids), committed_ids[-8:])
+                            len(committed_ids), committed_ids[-8:], token)
             return NO_DRAFT
         if self._warmup is not None and not self._warmup[0].done():
             return NO_DRAFT
         return None
 
+    def _drop_warm_up(self) -> None:
+        """A round without the draft model (the policy turned away from it) cancels a warm-up still
+        running: the draft worker would go on prefilling the whole context on its core, and every
+        batch this session is in would keep the target on its share of the cores meanwhile (at 8
+        requests on grounded prompts, the method gate's tests of the draft model doubled time to
+        first token). What the draft cached by then stays cached; a later model round warms up again."""
+        if self._warmup is not None and not self._warmup[0].done():
+            self._warmup[3].cancel()
+            self._warmup, self._warmed = None, False
+
     def _take_prefetched(self, committed_ids: list[int], k: int) -> Draft | None:
         if self._warmup is not None and self._warmup[0].done():
-            future, length, tail = self._warmup
+            future, length, tail, _ = self._warmup
             self._warmup = None
             self._prefetched = _Bet(length, tail, future.result())
         bet, self._prefetched = self._prefetched, None

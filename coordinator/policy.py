@@ -524,6 +524,7 @@ class SpeculationPolicy:
         self._since_model = 0
         self._method = NONE
         self._rounds = 0
+        self._last_round: float | None = None  # when the previous round was observed (the gate's clock)
 
     def choose(self, committed_ids: list[int], max_k: int) -> Choice:
         """This round's method and K, at most max_k (and the policy's own ceiling)."""
@@ -568,8 +569,14 @@ class SpeculationPolicy:
     def observe(self, rnd: Round) -> None:
         """Learn from the round just verified: the costs (shared), each method's acceptance."""
         self.costs.observe(rnd)
+        now = self.costs.gate.clock()
         if self.costs.learns and self._rounds:  # not the first round: it prefilled
-            self.costs.gate.observe(self.costs.active, len(rnd.new_ids), rnd.draft_ms + rnd.verify_ms)
+            # the session's time since its previous round, when longer than the round's own parts:
+            # what the session waited between its rounds is time the mode cost it too (a draft model
+            # under load: the coordinator's turn, the queue for the draft worker's batches)
+            since = (now - self._last_round) * 1e3 if self._last_round is not None else 0.0
+            self.costs.gate.observe(self.costs.active, len(rnd.new_ids), max(rnd.draft_ms + rnd.verify_ms, since))
+        self._last_round = now
         self._rounds += 1
         if rnd.num_drafted and rnd.draft.from_worker:
             successes, trials = rnd.num_accepted, min(rnd.num_drafted, rnd.num_accepted + 1)

@@ -1,6 +1,6 @@
 """The speculative loop's overlap bookkeeping, against in-process Proposer/Verifier objects (the
 Protocols the gRPC clients implement): the first round with the draft (at the start or mid-request)
-decodes while the draft warms up, a lost
+decodes while the draft warms up, a warm-up the policy turned away from is cancelled, a lost
 bet is cancelled without waiting for it, a won bet becomes the next block."""
 
 from __future__ import annotations
@@ -86,6 +86,26 @@ def test_turning_to_the_draft_mid_request_decodes_plainly_while_it_catches_up():
     assert [r.num_drafted for r in plain] == [0, 0] and proposer.calls[0] == (5, 4)
     assert (turned.num_drafted, turned.new_ids) == (0, [12])
     assert block.num_drafted == 3 and block.new_ids == [10, 11, 12, 16]  # drafting again once it caught up
+
+
+def test_turning_away_from_the_draft_cancels_its_warm_up():
+    """The policy chose the draft (its warm-up starts), then plain decoding again: the warm-up is
+    cancelled rather than left prefilling on the draft's core while the target keeps to its share of
+    the cores, and a later turn to the draft warms up again."""
+    proposer = ScriptedProposer()  # the warm-up blocks until released or cancelled
+    with ThreadPoolExecutor(2) as pool:
+        spec = Speculator("s", GREEDY, 0, proposer, ScriptedVerifier(3, [10, 11, 12]), pool)
+        turned = spec.round([1, 2, 3], 3)
+        assert turned.draft.drafting_meanwhile  # the warm-up runs: the target keeps to its share
+        plain = spec.round([1, 2, 3, 10], 0)
+        assert not plain.draft.drafting_meanwhile and spec._warmup is None
+        deadline = time.monotonic() + 5
+        while proposer.bets_cancelled < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        again = spec.round([1, 2, 3, 10, 11], 3)
+        proposer.release.set()
+    assert again.num_drafted == 0 and [c[0] for c in proposer.calls] == [3, 5]  # warming up anew
 
 
 def test_sampled_requests_wait_for_the_draft_so_that_seeds_stay_reproducible():
