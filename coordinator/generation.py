@@ -237,6 +237,8 @@ class Generation:
             if policy is not None:
                 choice = policy.choose(session.token_ids, cap)
                 k, chosen = choice.k, proposers.get(choice.method)
+                if choice.method != MODEL:
+                    speculator.drop_warm_up()
             else:
                 k, chosen = max(0, min(k_fixed, cap)), proposer
             # multi-step plain decoding after plain and n-gram rounds (their steps keep the batch in

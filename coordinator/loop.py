@@ -134,8 +134,6 @@ class Speculator:
         started = time.perf_counter()
         proposer = proposer or self.proposer
         overlaps = proposer is self.proposer and self.executor is not None
-        if not (overlaps and k > 0):
-            self._drop_warm_up()
         draft = self._take_prefetched(committed_ids, k if overlaps else 0)
         if draft is None and k > 0 and proposer is not None:
             draft = self._warm_up(committed_ids, k) if overlaps else None
@@ -222,12 +220,12 @@ class Speculator:
             return NO_DRAFT
         return None
 
-    def _drop_warm_up(self) -> None:
-        """A round without the draft model (the policy turned away from it) cancels a warm-up still
-        running: the draft worker would go on prefilling the whole context on its core, and every
-        batch this session is in would keep the target on its share of the cores meanwhile (at 8
-        requests on grounded prompts, the method gate's tests of the draft model doubled time to
-        first token). What the draft cached by then stays cached; a later model round warms up again."""
+    def drop_warm_up(self) -> None:
+        """Cancel a warm-up still running (the policy turned away from the draft model): the draft
+        worker would go on prefilling the whole context on its core, and every batch this session is
+        in would keep the target on its share of the cores meanwhile (at 8 requests on grounded
+        prompts, the method gate's tests of the draft model doubled time to first token). What the
+        draft cached by then stays cached; a later model round warms up again."""
         if self._warmup is not None and not self._warmup[0].done():
             self._warmup[3].cancel()
             self._warmup, self._warmed = None, False

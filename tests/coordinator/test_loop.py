@@ -89,14 +89,15 @@ def test_turning_to_the_draft_mid_request_decodes_plainly_while_it_catches_up():
 
 
 def test_turning_away_from_the_draft_cancels_its_warm_up():
-    """The policy chose the draft (its warm-up starts), then plain decoding again: the warm-up is
-    cancelled rather than left prefilling on the draft's core while the target keeps to its share of
-    the cores, and a later turn to the draft warms up again."""
+    """The policy chose the draft (its warm-up starts), then plain decoding again: the coordinator
+    cancels the warm-up rather than leave it prefilling on the draft's core while the target keeps
+    to its share of the cores, and a later turn to the draft warms up again."""
     proposer = ScriptedProposer()  # the warm-up blocks until released or cancelled
     with ThreadPoolExecutor(2) as pool:
         spec = Speculator("s", GREEDY, 0, proposer, ScriptedVerifier(3, [10, 11, 12]), pool)
         turned = spec.round([1, 2, 3], 3)
         assert turned.draft.drafting_meanwhile  # the warm-up runs: the target keeps to its share
+        spec.drop_warm_up()  # what the coordinator does when its policy chooses another method
         plain = spec.round([1, 2, 3, 10], 0)
         assert not plain.draft.drafting_meanwhile and spec._warmup is None
         deadline = time.monotonic() + 5
