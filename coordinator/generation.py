@@ -235,9 +235,13 @@ class Generation:
             remaining = max_new - generated
             cap = min(remaining - 1, self.limits.max_context - len(session.token_ids) - 1)
             if policy is not None:
-                choice = policy.choose(session.token_ids, cap)
+                # not the draft model in a request's first round: that round prefills, and a warm-up
+                # started with it (at a load not yet known: requests arrive one by one) would keep
+                # the target to its share of the cores for the prefill of every session in its batch
+                ready = stats.rounds > 0 and not speculator.warming_up
+                choice = policy.choose(session.token_ids, cap, model_ready=ready)
                 k, chosen = choice.k, proposers.get(choice.method)
-                if choice.method != MODEL:
+                if choice.method != MODEL and not choice.stand_in:
                     speculator.drop_warm_up()
             else:
                 k, chosen = max(0, min(k_fixed, cap)), proposer

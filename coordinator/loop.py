@@ -18,7 +18,8 @@ every draw is keyed by (seed, position, purpose), that block is exactly what a f
 the same prefix would have returned, so overlap never changes the output, sampled or greedy.
 With overlap, a greedy request's first rounds with the draft (at its start, or when the policy turns
 to the draft mid-request) do not wait for the draft to prefill the context either: the target decodes
-plainly meanwhile, and the draft's proposal becomes a bet like the others.
+plainly meanwhile (or the policy gives those rounds to another proposer: `warming_up`), and the
+draft's proposal becomes a bet like the others.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ class Speculator:
         if overlaps and draft.token_ids:
             token = CancelToken()
             pending = self._submit(token, committed_ids + draft.token_ids, k + 1)
-        if pending is not None or (self._warmup is not None and not self._warmup[0].done()):
+        if pending is not None or self.warming_up:
             draft = replace(draft, drafting_meanwhile=True)  # the target keeps to its share of the cores
         verify_started = time.perf_counter()
         verdict = self.verifier.verify(self.session_id, committed_ids, draft, self.sampling, self.seed, decode)
@@ -216,9 +217,12 @@ class Speculator:
             self._warmup = (self._submit(token, committed_ids, k + 1),
                             len(committed_ids), committed_ids[-8:], token)
             return NO_DRAFT
-        if self._warmup is not None and not self._warmup[0].done():
-            return NO_DRAFT
-        return None
+        return NO_DRAFT if self.warming_up else None
+
+    @property
+    def warming_up(self) -> bool:
+        """The draft is still prefilling this session's context: a round with it now would be plain."""
+        return self._warmup is not None and not self._warmup[0].done()
 
     def drop_warm_up(self) -> None:
         """Cancel a warm-up still running (the policy turned away from the draft model): the draft
@@ -226,7 +230,7 @@ class Speculator:
         in would keep the target on its share of the cores meanwhile (at 8 requests on grounded
         prompts, the method gate's tests of the draft model doubled time to first token). What the
         draft cached by then stays cached; a later model round warms up again."""
-        if self._warmup is not None and not self._warmup[0].done():
+        if self.warming_up:
             self._warmup[3].cancel()
             self._warmup, self._warmed = None, False
 

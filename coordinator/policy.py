@@ -59,7 +59,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from coordinator.loop import Round
 from coordinator.ngram import NgramProposer
@@ -507,6 +507,7 @@ class Choice:
     method: str  # NONE, NGRAM or MODEL
     k: int
     gain: float = 0.0  # expected tokens per millisecond
+    stand_in: bool = False  # the draft model's turn, taken by another method while the draft warms up
 
 
 class SpeculationPolicy:
@@ -526,8 +527,14 @@ class SpeculationPolicy:
         self._rounds = 0
         self._last_round: float | None = None  # when the previous round was observed (the gate's clock)
 
-    def choose(self, committed_ids: list[int], max_k: int) -> Choice:
-        """This round's method and K, at most max_k (and the policy's own ceiling)."""
+    def choose(self, committed_ids: list[int], max_k: int, model_ready: bool = True) -> Choice:
+        """This round's method and K, at most max_k (and the policy's own ceiling). Where the draft
+        model cannot serve the round (`model_ready` false: while it prefills the session's context,
+        its warm-up when the policy first turns to it), a round it wins goes to the best of the other
+        methods instead (a stand-in), and the model keeps its turn: the round would otherwise be plain
+        decoding, one token a pass, for as long as the draft prefills (on long input-grounded
+        prompts, a third of a 128-token reply at one request), where n-gram copying from the prompt
+        serves more."""
         steps = min(self.decode_steps, max(0, max_k))  # what the coordinator asks a plain round for
         max_k = max_k if self.max_k is None else min(max_k, self.max_k)
         self._lookup = self.ngram.continuation(committed_ids, max(NGRAM_KS)) if NGRAM in self.methods else []
@@ -556,6 +563,10 @@ class SpeculationPolicy:
                     best = hope
         if best.method == MODEL:
             self._since_model = 0
+            if not model_ready:
+                self._method = MODEL
+                stand_in = max((c for c in options if c.method != MODEL), key=lambda c: (c.gain, -c.k))
+                return replace(stand_in, stand_in=True)
         if log.isEnabledFor(logging.DEBUG):
             n = self.costs.load
             log.debug("policy: %s K=%d at n=%.1f: %.4f tok/ms (none %.4f); alpha model %.2f; n-gram %.2f of 10; "

@@ -109,6 +109,33 @@ def test_turning_away_from_the_draft_cancels_its_warm_up():
     assert again.num_drafted == 0 and [c[0] for c in proposer.calls] == [3, 5]  # warming up anew
 
 
+class Lookup:
+    """Another proposer (as the coordinator's n-gram lookup): proposes 10, 11, ... at once."""
+
+    def propose(self, session_id, committed_ids, num_tokens, sampling, seed, min_confidence=0.0):
+        return Draft([10 + i for i in range(num_tokens)], from_worker=False)
+
+
+def test_a_stand_in_round_while_the_draft_warms_up_leaves_the_warm_up_running():
+    """The policy's model round while the draft prefills goes to another method (a stand-in): that
+    round must neither wait for the warm-up nor cancel it, and the warm-up's proposal is used once
+    ready."""
+    proposer = ScriptedProposer()
+    with ThreadPoolExecutor(2) as pool:
+        spec = Speculator("s", GREEDY, 0, proposer, ScriptedVerifier(0, [10, 13, 14, 15]), pool)
+        assert not spec.warming_up
+        first = spec.round([1, 2, 3], 3)  # the warm-up starts: plain
+        assert spec.warming_up
+        stand_in = spec.round([1, 2, 3, 10], 2, Lookup())  # verified at once, the target rejecting both
+        assert spec.warming_up and proposer.bets_cancelled == 0
+        proposer.release.set()
+        wait_warm(spec)
+        assert not spec.warming_up
+        block = spec.round([1, 2, 3, 10, 13], 3)
+    assert first.num_drafted == 0 and stand_in.num_drafted == 2 and stand_in.new_ids == [13]
+    assert block.num_drafted == 3 and proposer.calls[:2] == [(3, 4), (5, 3)]  # drafting once warm
+
+
 def test_sampled_requests_wait_for_the_draft_so_that_seeds_stay_reproducible():
     proposer = ScriptedProposer()
     proposer.release.set()

@@ -81,6 +81,22 @@ def test_alone_with_a_cheap_draft_that_is_right_it_speculates_with_the_model():
     assert policy.choose([1, 2, 3], max_k=2).k <= 2  # the round's cap (tokens left, context) holds
 
 
+def test_while_the_draft_warms_up_the_models_rounds_go_to_the_best_other_method():
+    """The model wins, but the draft is still prefilling the session's context: its round would be
+    plain decoding, so n-gram (whose lookup matches here) stands in, and the model keeps its turn."""
+    costs = Costs()
+    feed(costs, batch=1, verify={1: (20.0, 2.0), 2: (15.0, 2.0)}, draft_ms_per_token=4.0)
+    policy = trained(SpeculationPolicy(costs, BOTH, overlap=True), accepted_of_5=5)
+    text = [5, 6, 7, 8, 9, 10, 11, 12]
+    committed = [1, 2] + text + [3] + text[:2]
+    assert policy.choose(committed, max_k=100).method == MODEL
+    stand_in = policy.choose(committed, max_k=100, model_ready=False)
+    assert stand_in.method == NGRAM and stand_in.stand_in and stand_in.k > 0
+    plain = policy.choose([40, 41, 42], max_k=100, model_ready=False)  # no lookup: plain decoding stands in
+    assert (plain.method, plain.k, plain.stand_in) == (NONE, 0, True)
+    assert policy.choose(committed, max_k=100).method == MODEL  # ready: the model's turn again
+
+
 def test_under_load_it_decodes_plainly_and_spends_nothing_on_retrying_the_draft():
     """c8 on this machine: the draft's batch costs 60 ms per token, the target's plain pass on both
     cores 36 ms. However well the draft guesses, drafting for everyone serves fewer tokens."""

@@ -249,9 +249,11 @@ def test_switching_method_and_k_mid_request_is_lossless(tiny_stack, hf_greedy, m
     script = [Choice(MODEL, 3), Choice(NGRAM, 4), Choice(NONE, 0), Choice(MODEL, 1), Choice(MODEL, 6),
               Choice(NGRAM, 2), Choice(MODEL, 2)]
 
-    def scripted(self, ids: list[int], max_k: int) -> Choice:
+    def scripted(self, ids: list[int], max_k: int, model_ready: bool = True) -> Choice:
         self.calls = getattr(self, "calls", 0) + 1  # the first round drafts by n-gram
         choice = script[self.calls % len(script)]
+        if choice.method == MODEL and not model_ready:  # the draft warms up: n-gram stands in, as the policy does
+            return Choice(NGRAM, min(4, max_k), stand_in=True)
         return Choice(choice.method, min(choice.k, max_k))
 
     monkeypatch.setattr(SpeculationPolicy, "choose", scripted)
