@@ -25,7 +25,7 @@ class TargetConfig:
     max_queue: int = 64
     threads: int = 0
     solo_threads: int = 0
-    prefill_chunk: int = 32
+    prefill_chunk: int = 16
     kv_store: KVStoreOptions = KVStoreOptions()
 
     def __post_init__(self):
@@ -81,8 +81,9 @@ class TargetConfig:
                             "0: always --threads")
         p.add_argument("--prefill-chunk", type=int,
                        default=int(env("SPECDEC_TARGET_PREFILL_CHUNK", cls.prefill_chunk)),
-                       help="a long prompt is prefilled at most this many tokens per pass, between the other "
-                            "sessions' rounds, so that it does not stall them (0: whole prompts in one pass)")
+                       help="long prompts are prefilled at most this many tokens per pass (all of them together) "
+                            "between the other sessions' rounds, so that they do not stall them; a pass of "
+                            "prefills alone takes up to 256 (0: whole prompts in one pass)")
         KVStoreOptions.add_flags(p, "SPECDEC_TARGET")
         ServerOptions.add_flags(p, "SPECDEC_TARGET", port=50052)
         a = p.parse_args(argv)

@@ -12,7 +12,7 @@ from specdec_core.errors import ResourceExhausted
 from specdec_core.kvcache import SessionCaches
 from specdec_core.logs import short_id
 from specdec_core.sampling import SamplingConfig
-from target_service.verifier import CoreShare, Verifier, VerifyResult, VerifyTask
+from target_service.verifier import ALONE_TOKENS, CoreShare, Verifier, VerifyResult, VerifyTask
 from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.capacity
@@ -74,7 +74,7 @@ def test_core_share_gives_the_target_every_core_while_no_draft_worker_drafts():
 def test_a_long_prefill_goes_through_in_chunks_between_the_other_sessions_rounds(model):
     """Chunked prefill: beside a short session's verify, a pass takes 64 tokens of long prompts, all
     of them together (the first 64 of the first; the second waits); the short session is answered at
-    once, not after the prefills; passes of the prefills alone take 8 x 64; and each long session's
+    once, not after the prefills; passes of the prefills alone take 256 (ALONE_TOKENS); and each long session's
     verdict, when it comes, is the one an unchunked pass gives."""
     from specdec_core.batching import AGAIN
 
@@ -88,11 +88,12 @@ def test_a_long_prefill_goes_through_in_chunks_between_the_other_sessions_rounds
     passes = [verifier._verify_batch([long, other])]
     while AGAIN in passes[-1]:
         passes.append(verifier._verify_batch([t for t, r in zip((long, other), passes[-1]) if r is AGAIN]))
-    # alone, 512 tokens per pass: long's 936 left in two (its verdict then, beside other's first 88),
+    # alone, 256 tokens per pass: long's 936 left in four (its verdict then, beside other's first 88),
     # then other's remaining 212
-    assert [[isinstance(r, VerifyResult) for r in p] for p in passes] == [[False, False], [True, False], [True]]
-    assert passes[1][0].prefill_tokens == 1000 - 64 - 512 and passes[1][0].batch_tokens == 424 + 3 + 88
+    assert ALONE_TOKENS == 256
+    assert [[isinstance(r, VerifyResult) for r in p] for p in passes] == [[False, False]] * 3 + [[True, False], [True]]
+    assert passes[3][0].prefill_tokens == 1000 - 64 - 3 * 256 and passes[3][0].batch_tokens == 168 + 3 + 88
     whole = Verifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024)
-    for task, result in ((long, passes[1][0]), (other, passes[2][0])):
+    for task, result in ((long, passes[3][0]), (other, passes[4][0])):
         alone = whole._verify_batch([task])[0]
         assert (result.num_accepted, result.next_token_id) == (alone.num_accepted, alone.next_token_id)
