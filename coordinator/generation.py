@@ -251,7 +251,8 @@ class Generation:
             # first token would wait) nor in a stand-in's (the draft's warm-up may end within a step)
             plain = k == 0 or chosen is self.ngram
             steps = min(decode_steps, cap - k) if plain and stats.rounds and not stand_in else 0
-            rnd = speculator.round(session.token_ids, k, chosen, Decode(steps, stop_ids) if steps > 0 else NO_DECODE)
+            decode = Decode(steps, stop_ids) if steps > 0 else NO_DECODE
+            rnd = speculator.round(session.token_ids, k, chosen, decode)
             if policy is not None:
                 policy.observe(rnd)
             new_ids, finish = self._cut(rnd.new_ids, remaining, stop_ids)

@@ -11,7 +11,8 @@ with the most expected tokens per millisecond of the round's predicted wall time
     n-gram   V_solo(n + K) + o_v, serving n - 1 + E tokens: this session's block joins a pass of n
     model    V(n (K + 1)) + o_v + D(n) K + o_d
              with overlap, when the bet wins (probability alpha^(K+1)): the larger of the two parts,
-             and V_shared (the next block drafts during the pass), else V_solo
+             and V_shared (the next block drafts during the pass), else V_solo; a switch to the
+             model from another method has no bet to find
 
 - V(t): the target's forward pass over t tokens (all sessions together), a line fitted to what the
   target reports about every pass, one line per thread count: with --solo-threads the target uses
@@ -611,11 +612,16 @@ class SpeculationPolicy:
         return Choice(NGRAM, k, tokens / (n * ms))
 
     def _model(self, k: int, alpha: float) -> Choice:
+        """With overlap, a round after a model round finds its block drafted during the last pass when
+        that pass's bet won; a round after another method's has none to find (it drafts, then
+        verifies): valued as a bet, a switch to the model looked up to twice as good as its first
+        round is, and the policy went back and forth between n-gram and the model on input-grounded
+        prompts, serving less than either alone."""
         n = self.costs.load
         verify = self.costs.verify_ms(n * (k + 1), solo=not self.overlap)  # with overlap a bet drafts meanwhile
         draft = self.costs.draft_ms(k, n)
         ms = verify + draft
-        if self.overlap:
+        if self.overlap and self._method == MODEL:
             wins = alpha ** (k + 1)
             ms = wins * max(verify, draft) + (1 - wins) * ms
         return Choice(MODEL, k, expected_tokens(alpha, k) / ms)

@@ -97,6 +97,20 @@ def test_while_the_draft_warms_up_the_models_rounds_go_to_the_best_other_method(
     assert policy.choose(committed, max_k=100).method == MODEL  # ready: the model's turn again
 
 
+def test_a_switch_to_the_model_is_valued_without_a_bet_to_find():
+    """With overlap, a model round after a model round may find its block drafted during the last
+    pass; the first after another method's drafts, then verifies."""
+    costs = Costs()
+    feed(costs, batch=1, verify={1: (20.0, 2.0), 2: (15.0, 2.0)}, draft_ms_per_token=4.0)
+    policy = SpeculationPolicy(costs, BOTH, overlap=True)
+    policy._method = NGRAM
+    switching = policy._model(5, 0.9).gain
+    sequential = costs.verify_ms(6, solo=False) + costs.draft_ms(5, 1)
+    assert switching == pytest.approx(expected_tokens(0.9, 5) / sequential)
+    policy._method = MODEL
+    assert policy._model(5, 0.9).gain > 1.2 * switching
+
+
 def test_under_load_it_decodes_plainly_and_spends_nothing_on_retrying_the_draft():
     """c8 on this machine: the draft's batch costs 60 ms per token, the target's plain pass on both
     cores 36 ms. However well the draft guesses, drafting for everyone serves fewer tokens."""
