@@ -235,11 +235,12 @@ class Generation:
             remaining = max_new - generated
             cap = min(remaining - 1, self.limits.max_context - len(session.token_ids) - 1)
             if policy is not None:
-                # the draft model in a request's first round only when it runs alone: that round
-                # prefills, and a warm-up started with it beside other requests would keep the target
-                # to its share of the cores for the prefill of every session in its batch (chat c8:
-                # TTFT p50 574 ms against 339 for K = 0), at a load the policy does not know yet
-                ready = (stats.rounds > 0 or policy.costs.active <= 1) and not speculator.warming_up
+                # not the draft model in a request's first round: that round prefills, and a warm-up
+                # started with it would keep the target to its share of the cores for the prefill of
+                # every session in its batch (chat c8: TTFT p50 567 ms against 266 for K = 0, when the
+                # first request of a burst, alone for a moment, started one), and on long prompts
+                # the draft prefills for longer than the target anyway
+                ready = stats.rounds > 0 and not speculator.warming_up
                 choice = policy.choose(session.token_ids, cap, model_ready=ready)
                 k, chosen, stand_in = choice.k, proposers.get(choice.method), choice.stand_in
                 if choice.method != MODEL and not stand_in:
