@@ -123,8 +123,7 @@ class Speculator:
         self.executor = executor  # None: no overlap
         self.min_confidence = min_confidence
         self._prefetched: _Bet | None = None
-        # (proposal, prefix length, prefix tail, its cancel token)
-        self._warmup: tuple[Future, int, list[int], CancelToken] | None = None
+        self._warmup: _WarmUp | None = None
         self._warmed = False  # the draft has been asked for this session
         self.prefetch_hits = 0
 
@@ -214,15 +213,15 @@ class Speculator:
         if not self._warmed:
             self._warmed = True
             token = CancelToken()
-            self._warmup = (self._submit(token, committed_ids, k + 1),
-                            len(committed_ids), committed_ids[-8:], token)
+            self._warmup = _WarmUp(self._submit(token, committed_ids, k + 1), token,
+                                   len(committed_ids), committed_ids[-8:])
             return NO_DRAFT
         return NO_DRAFT if self.warming_up else None
 
     @property
     def warming_up(self) -> bool:
         """The draft is still prefilling this session's context: a round with it now would be plain."""
-        return self._warmup is not None and not self._warmup[0].done()
+        return self._warmup is not None and not self._warmup.proposal.done()
 
     def drop_warm_up(self) -> None:
         """Cancel a warm-up still running (the policy turned away from the draft model): the draft
@@ -231,14 +230,13 @@ class Speculator:
         prompts, the method gate's tests of the draft model doubled time to first token). What the
         draft cached by then stays cached; a later model round warms up again."""
         if self.warming_up:
-            self._warmup[3].cancel()
+            self._warmup.token.cancel()
             self._warmup, self._warmed = None, False
 
     def _take_prefetched(self, committed_ids: list[int], k: int) -> Draft | None:
-        if self._warmup is not None and self._warmup[0].done():
-            future, length, tail, _ = self._warmup
-            self._warmup = None
-            self._prefetched = _Bet(length, tail, future.result())
+        if self._warmup is not None and self._warmup.proposal.done():
+            warmup, self._warmup = self._warmup, None
+            self._prefetched = _Bet(warmup.length, warmup.tail, warmup.proposal.result())
         bet, self._prefetched = self._prefetched, None
         if bet is None or k == 0:
             return None
@@ -247,6 +245,17 @@ class Speculator:
             return None
         self.prefetch_hits += 1
         return replace(block, token_ids=block.token_ids[:k], dists=block.dists[:k])
+
+
+@dataclass(frozen=True)
+class _WarmUp:
+    """The draft prefilling a session's context, proposing after a prefix of `length` tokens ending
+    in `tail`; cancelled through `token`."""
+
+    proposal: Future
+    token: CancelToken
+    length: int
+    tail: list[int]
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ class ScriptedVerifier:
 
 def wait_warm(spec: Speculator) -> None:
     deadline = time.monotonic() + 5
-    while spec._warmup is not None and not spec._warmup[0].done():
+    while spec.warming_up:
         assert time.monotonic() < deadline
         time.sleep(0.001)
 

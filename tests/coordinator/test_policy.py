@@ -385,6 +385,7 @@ def test_under_load_the_gate_decides_the_model_draft_and_the_cost_model_decides_
     costs.active = 1
     assert policy.choose([40, 41, 42, 43], 100).method == MODEL  # alone the gate allows everything
 
+
 def test_the_gate_measures_a_sessions_time_between_rounds_not_only_the_rounds_parts():
     """Under load a session waits between its rounds too (the coordinator's turn, the draft worker's
     queue): the gate counts the time since the session's previous round when that is longer than
