@@ -109,6 +109,11 @@ def library() -> ctypes.CDLL | None:
     lib.specdec_rms_norm.argtypes = [_P, _P, _P, _I64, _I64, ctypes.c_float]
     lib.specdec_rope_write.restype = None
     lib.specdec_rope_write.argtypes = [_P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _I64, _P]
+    lib.specdec_quantized_available.restype = ctypes.c_int
+    lib.specdec_quantized_available.argtypes = []
+    lib.specdec_quantized_linear.restype = ctypes.c_int
+    lib.specdec_quantized_linear.argtypes = [ctypes.c_int, _P, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _P, _P,
+                                             ctypes.c_int]
     return lib
 
 

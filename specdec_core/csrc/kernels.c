@@ -250,3 +250,210 @@ void specdec_rope_write(float* qkv, const float* cos, const float* sin, int64_t 
         }
     }
 }
+
+
+/* Linear layers whose weights are block-quantized (specdec_core/cpu_quantized.py): y = x W^T (+ bias)
+   (+ add), W [n, k], each block of 32 weights along k exactly
+     Q4_1: fl(d * q + m), q in 0..15, d and m per block and output column;
+     Q8_0: fl(d * q), q in -128..127.
+   These are the float32 values GGUF's dequantization gives (d * q is exact, so an FMA rounds as the
+   product-then-sum does): the layer computes with exactly the model's float32 weights while reading
+   4-8 bits of memory per weight instead of 32, where memory is what bounds a decode step.
+
+   Every output element is one FMA chain over k in order, from 0: acc = fma(x_k, w_k, acc) for
+   k = 0 .. k - 1; then + bias, then + add. So a row's result depends on that row alone: not on the
+   other rows of the call, their number, the threads or the tiling (few rows dequantize each weight
+   into registers as they go; many rows first dequantize a panel of columns, then run over it).
+
+   Layouts, per group of 16 output columns g and block b of 32 inputs (n a multiple of 16, k of 32):
+     Q4_1 codes [n / 16, k / 32, 16, 16] bytes: byte (i, c) holds q for input 32 b + 2 i of column
+          16 g + c in its low 4 bits and for input 32 b + 2 i + 1 in its high 4 bits;
+     Q8_0 codes [n / 16, k / 32, 32, 16] int8: (j, c) is q for input 32 b + j of column 16 g + c;
+     d, m [n / 16, k / 32, 16] float32 (m: Q4_1 only).
+   x [rows, k] with row stride ldx; y and add [rows, n]. Needs AVX-512 (F, BW, DQ):
+   specdec_quantized_available() says whether this CPU has it. */
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define SPECDEC_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,fma")))
+#define SPECDEC_INLINE __attribute__((always_inline)) static inline
+
+int specdec_quantized_available(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
+}
+
+/* The weights of inputs 32 b + 2 i and 32 b + 2 i + 1 for a group's 16 columns; `block` at the group's block b. */
+SPECDEC_AVX512 SPECDEC_INLINE void pair_weights(int bits, const uint8_t* block, int i, __m512 dv, __m512 mv,
+                                                __m512* wa, __m512* wb) {
+    if (bits == 4) {
+        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(block + 16 * i)));
+        *wa = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), dv, mv);
+        *wb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), dv, mv);
+    } else {
+        const __m128i* q = (const __m128i*)(block + 32 * i);
+        *wa = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), dv);
+        *wb = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), dv);
+    }
+}
+
+typedef struct {
+    int bits;
+    int64_t k, n, blocks, block_bytes;
+    const uint8_t* codes;
+    const float *d, *m;
+} qweight;
+
+static inline const uint8_t* group_block(const qweight* w, int64_t g, int64_t b) {
+    return w->codes + (g * w->blocks + b) * w->block_bytes;
+}
+
+/* R rows by C groups, dequantizing in registers: for few rows. */
+SPECDEC_AVX512 SPECDEC_INLINE void direct_tile(const qweight* w, int R, int C, const float* x, int64_t ldx,
+                                               int64_t g0, __m512* out) {
+    __m512 acc[8][2];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < w->blocks; b++) {
+        __m512 dv[2], mv[2];
+        const uint8_t* blk[2];
+        for (int c = 0; c < C; c++) {
+            int64_t at = ((g0 + c) * w->blocks + b) * 16;
+            dv[c] = _mm512_loadu_ps(w->d + at);
+            mv[c] = w->bits == 4 ? _mm512_loadu_ps(w->m + at) : _mm512_setzero_ps();
+            blk[c] = group_block(w, g0 + c, b);
+        }
+        for (int i = 0; i < 16; i++) {
+            __m512 wa[2], wb[2];
+            for (int c = 0; c < C; c++) pair_weights(w->bits, blk[c], i, dv[c], mv[c], &wa[c], &wb[c]);
+            const int64_t j = 32 * b + 2 * i;
+            for (int r = 0; r < R; r++) {
+                __m512 xa = _mm512_set1_ps(x[r * ldx + j]), xb = _mm512_set1_ps(x[r * ldx + j + 1]);
+                for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(xa, wa[c], acc[r][c]);
+                for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(xb, wb[c], acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) out[r * 2 + c] = acc[r][c];
+}
+
+/* R rows by 2 groups over a dequantized panel [k][32]: for many rows. */
+SPECDEC_AVX512 SPECDEC_INLINE void panel_tile(int R, int64_t k, const float* panel, const float* x, int64_t ldx,
+                                              __m512* out) {
+    __m512 acc[6][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < k; j++) {
+        __m512 w0 = _mm512_loadu_ps(panel + 32 * j), w1 = _mm512_loadu_ps(panel + 32 * j + 16);
+        for (int r = 0; r < R; r++) {
+            __m512 xv = _mm512_set1_ps(x[r * ldx + j]);
+            acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        out[r * 2] = acc[r][0];
+        out[r * 2 + 1] = acc[r][1];
+    }
+}
+
+#define SPECDEC_DIRECT(R, C) \
+    case R * 4 + C: direct_tile(w, R, C, x, ldx, g0, out); break;
+SPECDEC_AVX512 static void direct(const qweight* w, int R, int C, const float* x, int64_t ldx, int64_t g0,
+                                  __m512* out) {
+    switch (R * 4 + C) {
+        SPECDEC_DIRECT(1, 1) SPECDEC_DIRECT(1, 2) SPECDEC_DIRECT(2, 1) SPECDEC_DIRECT(2, 2)
+        SPECDEC_DIRECT(3, 1) SPECDEC_DIRECT(3, 2) SPECDEC_DIRECT(4, 1) SPECDEC_DIRECT(4, 2)
+        SPECDEC_DIRECT(5, 1) SPECDEC_DIRECT(5, 2) SPECDEC_DIRECT(6, 1) SPECDEC_DIRECT(6, 2)
+        SPECDEC_DIRECT(7, 1) SPECDEC_DIRECT(7, 2) SPECDEC_DIRECT(8, 1) SPECDEC_DIRECT(8, 2)
+    }
+}
+
+SPECDEC_AVX512 static void panel(int R, int64_t k, const float* p, const float* x, int64_t ldx, __m512* out) {
+    switch (R) {
+        case 1: panel_tile(1, k, p, x, ldx, out); break;
+        case 2: panel_tile(2, k, p, x, ldx, out); break;
+        case 3: panel_tile(3, k, p, x, ldx, out); break;
+        case 4: panel_tile(4, k, p, x, ldx, out); break;
+        case 5: panel_tile(5, k, p, x, ldx, out); break;
+        default: panel_tile(6, k, p, x, ldx, out); break;
+    }
+}
+
+SPECDEC_AVX512 static void store(const __m512* out, int R, int C, int64_t r0, int64_t col, int64_t n,
+                                 const float* bias, const float* add, float* y) {
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            __m512 v = out[r * 2 + c];
+            if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + col + 16 * c));
+            if (add) v = _mm512_add_ps(v, _mm512_loadu_ps(add + (r0 + r) * n + col + 16 * c));
+            _mm512_storeu_ps(y + (r0 + r) * n + col + 16 * c, v);
+        }
+}
+
+#define SPECDEC_PANEL_ROWS 16  /* from this many rows, dequantize a panel first */
+
+/* 0 on success; 1 when this CPU or shape does not suit (k a multiple of 32, n of 16, bits 4 or 8). */
+SPECDEC_AVX512 static int quantized_linear(int bits, const float* x, int64_t ldx, int64_t rows, int64_t k,
+                                           const uint8_t* codes, const float* d, const float* m, int64_t n,
+                                           const float* bias, const float* add, float* y, int threads) {
+    qweight w = {bits, k, n, k / 32, bits == 4 ? 256 : 512, codes, d, m};
+    const int64_t groups = n / 16, items = (groups + 1) / 2;
+    int failed = 0;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1) if (threads > 1)
+    {
+        float* p = rows >= SPECDEC_PANEL_ROWS ? aligned_alloc(64, sizeof(float) * 32 * k) : NULL;
+        if (rows >= SPECDEC_PANEL_ROWS && !p) failed = 2;
+        __m512 out[16];
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t g0 = 2 * it;
+            const int C = g0 + 1 < groups ? 2 : 1;
+            if (rows < SPECDEC_PANEL_ROWS) {
+                for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+                    const int R = rows - r0 < 8 ? (int)(rows - r0) : 8;
+                    direct(&w, R, C, x + r0 * ldx, ldx, g0, out);
+                    store(out, R, C, r0, 16 * g0, n, bias, add, y);
+                }
+                continue;
+            }
+            if (!p) continue;
+            for (int c = 0; c < 2; c++) {
+                const int64_t g = g0 + (c < C ? c : 0);
+                for (int64_t b = 0; b < w.blocks; b++) {
+                    const int64_t at = (g * w.blocks + b) * 16;
+                    __m512 dv = _mm512_loadu_ps(d + at), mv = bits == 4 ? _mm512_loadu_ps(m + at) : _mm512_setzero_ps();
+                    for (int i = 0; i < 16; i++) {
+                        __m512 wa, wb;
+                        pair_weights(bits, group_block(&w, g, b), i, dv, mv, &wa, &wb);
+                        _mm512_storeu_ps(p + 32 * (32 * b + 2 * i) + 16 * c, wa);
+                        _mm512_storeu_ps(p + 32 * (32 * b + 2 * i + 1) + 16 * c, wb);
+                    }
+                }
+            }
+            for (int64_t r0 = 0; r0 < rows; r0 += 6) {
+                const int R = rows - r0 < 6 ? (int)(rows - r0) : 6;
+                panel(R, k, p, x + r0 * ldx, ldx, out);
+                store(out, R, C, r0, 16 * g0, n, bias, add, y);
+            }
+        }
+        free(p);
+    }
+    return failed;
+}
+
+int specdec_quantized_linear(int bits, const float* x, int64_t ldx, int64_t rows, int64_t k, const uint8_t* codes,
+                             const float* d, const float* m, int64_t n, const float* bias, const float* add,
+                             float* y, int threads) {
+    if (k % 32 || n % 16 || (bits != 4 && bits != 8) || !specdec_quantized_available()) return 1;
+    return quantized_linear(bits, x, ldx, rows, k, codes, d, m, n, bias, add, y, threads);
+}
+#else
+int specdec_quantized_available(void) { return 0; }
+int specdec_quantized_linear(int bits, const float* x, int64_t ldx, int64_t rows, int64_t k, const uint8_t* codes,
+                             const float* d, const float* m, int64_t n, const float* bias, const float* add,
+                             float* y, int threads) {
+    return 1;
+}
+#endif

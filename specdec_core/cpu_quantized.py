@@ -1,0 +1,182 @@
+"""Linear layers whose float32 weights are exactly block-quantized values, run from their codes.
+
+A model dequantized from a GGUF file (the embedded default, SmolLM2-135M-Instruct Q4_1) has float32
+weights that are each exactly `d * q + m` (Q4_1: 4-bit q, a scale d and a minimum m per block of 32)
+or `d * q` (Q8_0: 8-bit q). A decode step reads every weight once, and on a CPU memory bandwidth is
+what bounds it: 32 bits a weight where 4.5 or 8.5 carry the same numbers. `compress(w)` finds the
+codes of such a weight (and checks them: the codes must give back every float of the weight, bit
+for bit), and `QuantizedWeight` multiplies with them in the C kernel (`csrc/kernels.c`,
+`specdec_quantized_linear`), which turns each block back into the same float32 weights in registers
+and sums in float32. So the layer computes with exactly the model's weights: this is a storage
+format, not a quantization of the model.
+
+Every output element is summed in one fixed order (see the kernel), so a row's result depends on
+that row alone: not on the other rows of the call, their number, or the threads. The order is not
+oneDNN's, so results differ from the packed layers' in the last bits; every path of a worker (and
+the reference `models.load_causal_lm` loads) runs the same layers.
+
+Needs AVX-512 (F, BW, DQ); elsewhere, or with SPECDEC_QUANTIZED_LINEARS=0, layers stay on oneDNN.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from specdec_core import cpu_kernels
+
+BLOCK = 32
+NAME = "block-quantized"  # what logs call this kernel
+
+
+def available() -> bool:
+    if os.environ.get("SPECDEC_QUANTIZED_LINEARS", "1") == "0":
+        return False
+    lib = cpu_kernels.library()
+    return lib is not None and bool(lib.specdec_quantized_available())
+
+
+@dataclass
+class QuantizedWeight:
+    """A weight [n, k] (n a multiple of 16, k of 32) as codes in the kernel's layout (see
+    `specdec_quantized_linear` in csrc/kernels.c): `bits` 4 (Q4_1) or 8 (Q8_0); d and m per block of 32
+    inputs and output column (m empty for Q8_0)."""
+
+    bits: int
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+    shape: tuple[int, int]
+
+    @staticmethod
+    def pack(bits: int, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> QuantizedWeight:
+        """From q [n, k] (0..15 or -128..127) and d, m [n, k / 32]."""
+        n, k = q.shape
+        groups, blocks = n // 16, k // BLOCK
+        if bits == 4:
+            q = q.to(torch.uint8).reshape(groups, 16, blocks, 16, 2).permute(0, 2, 3, 1, 4)
+            codes = q[..., 0] | (q[..., 1] << 4)
+        else:
+            codes = q.to(torch.int8).reshape(groups, 16, blocks, BLOCK).permute(0, 2, 3, 1)
+        def by_group(t):
+            return t.reshape(groups, 16, blocks).permute(0, 2, 1).contiguous()
+        return QuantizedWeight(bits, codes.contiguous(), by_group(d),
+                               by_group(m) if m is not None else torch.zeros(0), (n, k))
+
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """q [n, k], d and m [n, k / 32]: what `pack` took."""
+        n, k = self.shape
+        groups, blocks = n // 16, k // BLOCK
+        if self.bits == 4:
+            q = torch.stack((self.codes & 15, self.codes >> 4), dim=-1)  # [G, B, i, c, 2]
+            q = q.permute(0, 3, 1, 2, 4).reshape(n, k)
+        else:
+            q = self.codes.permute(0, 3, 1, 2).reshape(n, k)
+        def by_column(t):
+            return t.permute(0, 2, 1).reshape(n, blocks)
+        return q, by_column(self.d), by_column(self.m) if self.bits == 4 else None
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., k] float32 -> x W^T (+ bias) (+ add) [..., n]."""
+        n, k = self.shape
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, k)
+        if flat.stride(-1) != 1 or (flat.shape[0] > 1 and flat.stride(0) != k):
+            flat = flat.contiguous()
+        rows = flat.shape[0]
+        y = torch.empty(rows, n, dtype=torch.float32)
+        if add is not None:
+            add = add.reshape(rows, n).contiguous()
+        failed = cpu_kernels.library().specdec_quantized_linear(
+            self.bits, flat.data_ptr(), k, rows, k, self.codes.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), n,
+            bias.data_ptr() if bias is not None else None, add.data_ptr() if add is not None else None,
+            y.data_ptr(), torch.get_num_threads())
+        if failed:
+            raise RuntimeError("the block-quantized linear kernel failed")
+        return y.reshape(*lead, n)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [n, k] the codes stand for."""
+        q, d, m = self.unpacked()
+        n, k = self.shape
+        w = q.float().reshape(n, -1, BLOCK) * d[..., None]
+        if m is not None:
+            w = w + m[..., None]
+        return w.reshape(n, k)
+
+    @staticmethod
+    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Weights that read the same input, as one ([W_1; W_2; ...], rows stacked: groups of 16
+        columns are whole, so the codes stack as they are)."""
+        bits, k = parts[0].bits, parts[0].shape[1]
+        if any(p.bits != bits or p.shape[1] != k for p in parts):
+            raise ValueError("only weights of the same format and input size stack")
+        return QuantizedWeight(bits, torch.cat([p.codes for p in parts]), torch.cat([p.d for p in parts]),
+                               torch.cat([p.m for p in parts]), (sum(p.shape[0] for p in parts), k))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.m))
+
+
+def compress(w: torch.Tensor) -> QuantizedWeight | None:
+    """The codes of a float32 weight [n, k] whose every block of 32 along k is exactly Q8_0 or Q4_1
+    (fp16 d and m, as GGUF stores them), or None. Checked: the codes give back every float bit for bit."""
+    if w.dtype != torch.float32 or w.dim() != 2 or w.shape[0] % 16 or w.shape[1] % BLOCK or not w.numel():
+        return None
+    n, k = w.shape
+    blocks = w.detach().reshape(-1, BLOCK)
+    return _q8(blocks, n, k) or _q4(blocks, n, k)
+
+
+def _fp16_candidates(d: torch.Tensor) -> list[torch.Tensor]:
+    """d rounded to fp16 and its fp16 neighbours (rounding may have moved it by one)."""
+    h = d.clamp(max=65504.0).half()
+    bits = h.view(torch.int16)
+    return [h.float(), (bits + 1).view(torch.float16).float(), (bits - 1).view(torch.float16).float()]
+
+
+def _q8(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight | None:
+    amax = blocks.abs().amax(dim=1)
+    scale = torch.zeros_like(amax)
+    found = torch.zeros_like(amax, dtype=torch.bool)
+    codes = torch.zeros_like(blocks, dtype=torch.int8)
+    for d in _fp16_candidates(amax / 127):
+        if found.all():
+            break
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        q = torch.round(blocks / safe[:, None]).clamp(-128, 127)
+        ok = ~found & (d >= 0) & ((q * d[:, None]) == blocks).all(dim=1)
+        scale = torch.where(ok, d, scale)
+        codes[ok] = q[ok].to(torch.int8)
+        found |= ok
+    if not found.all():
+        return None
+    return QuantizedWeight.pack(8, codes.reshape(n, k), scale.reshape(n, k // BLOCK), None)
+
+
+def _q4(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight | None:
+    low = blocks.amin(dim=1)
+    if not torch.equal(low.half().float(), low):  # the block's minimum is m itself (its q is 0)
+        return None
+    high = blocks.amax(dim=1)
+    scale = torch.zeros_like(low)
+    found = torch.zeros_like(low, dtype=torch.bool)
+    q_all = torch.zeros_like(blocks, dtype=torch.uint8)
+    for d in _fp16_candidates((high - low) / 15):
+        if found.all():
+            break
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        q = torch.round((blocks - low[:, None]) / safe[:, None]).clamp(0, 15)
+        ok = ~found & (d >= 0) & ((q * d[:, None] + low[:, None]) == blocks).all(dim=1)
+        scale = torch.where(ok, d, scale)
+        q_all[ok] = q[ok].to(torch.uint8)
+        found |= ok
+    if not found.all():
+        return None
+    return QuantizedWeight.pack(4, q_all.reshape(n, k), scale.reshape(n, k // BLOCK), low.reshape(n, k // BLOCK))
