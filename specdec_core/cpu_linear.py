@@ -17,7 +17,10 @@ layers), as any two kernels do: the reference a worker's output is compared with
 kernels, which it does when it is loaded by `models.load_causal_lm` too.
 
 `pack_linears(model)` swaps the forward of every `nn.Linear` of a CPU model in float32 (or
-bfloat16 where oneDNN has it) for the packed one. A layer whose weight is also another module's
+bfloat16 where oneDNN has it) for the packed one; a float32 layer whose weights are exactly
+block-quantized values (a model dequantized from a GGUF file) runs from its codes instead
+(`cpu_quantized`: the same float32 weights read from 4-8 bits each, 1.5x faster at 8 rows and 2.4x
+at one here, and no slower at any row count). A layer whose weight is also another module's
 (tied input embeddings and LM head) keeps its weight and gains the packed copy; any other layer's
 weight is replaced by the packed copy, so the model's memory does not grow (tied weights aside).
 """
@@ -28,6 +31,9 @@ import logging
 import types
 
 import torch
+
+from specdec_core import cpu_quantized
+from specdec_core.cpu_quantized import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +68,10 @@ def _unpadded(y: torch.Tensor, x: torch.Tensor, rows: int) -> torch.Tensor:
     return y[:rows].reshape(*x.shape[:-1], y.shape[-1]) if rows else y
 
 
+def _quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return self.specdec_packed_weight(x, self.bias)
+
+
 def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
     padded, rows = _padded(x)
     return _unpadded(torch.ops.mkldnn._linear_pointwise(padded, self.specdec_packed_weight, self.bias, "none", [], ""),
@@ -78,17 +88,25 @@ def pack_linears(model: torch.nn.Module) -> int:
         return 0
     shared = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Linear)
               for p in m.parameters(recurse=False)}
+    codes = linears[0].weight.dtype == torch.float32 and cpu_quantized.available()
+    quantized = 0
     for m in linears:
         w = m.weight
-        m.specdec_packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach())
-        m.forward = types.MethodType(_packed_forward, m)
+        q = cpu_quantized.compress(w) if codes else None
+        if q is not None:
+            m.specdec_packed_weight, m.forward = q, types.MethodType(_quantized_forward, m)
+            quantized += 1
+        else:
+            m.specdec_packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach())
+            m.forward = types.MethodType(_packed_forward, m)
         if id(w) not in shared:
             m.weight = torch.nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
     # transformers maps the weight files into memory; the tensors left (embeddings, norms) would keep
     # the whole mapping, and the pages the packing read, resident. Copies of them let it go.
     for p in model.parameters():
         p.data = p.data.clone()
-    log.info("%d linear layers run on oneDNN with packed weights", len(linears))
+    log.info("%d linear layers run from block-quantized codes (%s), %d on oneDNN with packed weights", quantized,
+             cpu_quantized.NAME, len(linears) - quantized)
     return len(linears)
 
 
@@ -113,30 +131,45 @@ class Fused:
             raise ValueError("Fused takes packed linear layers (pack_linears)")
         self.linears = linears
         self.sizes = [m.out_features for m in linears]
-        if len(linears) == 1:  # one layer: its own packed weight, for `add`
-            self.weight, self.bias = linears[0].specdec_packed_weight, linears[0].bias
+        weights = [m.specdec_packed_weight for m in linears]
+        biases = [m.bias for m in linears]
+        if any(b is not None for b in biases):
+            biases = [b if b is not None else torch.zeros(n) for b, n in zip(biases, self.sizes)]
+            self.bias = torch.cat(biases) if len(linears) > 1 else biases[0]
         else:
-            dense = torch.cat([m.specdec_packed_weight.to_dense() for m in linears])
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(dense)
-            biases = [m.bias for m in linears]
-            if any(b is not None for b in biases):
-                biases = [b if b is not None else torch.zeros(n, dtype=dense.dtype) for b, n in zip(biases, self.sizes)]
-                self.bias = torch.cat(biases)
-            else:
-                self.bias = None
+            self.bias = None
+        self.parts = None  # layers of different formats: each its own call
+        if len(linears) == 1:  # one layer: its own weight, for `add`
+            self.weight = weights[0]
+        elif all(isinstance(w, QuantizedWeight) for w in weights) and len({w.bits for w in weights}) == 1:
+            self.weight = QuantizedWeight.cat(weights)
+        elif not any(isinstance(w, QuantizedWeight) for w in weights):
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(torch.cat([w.to_dense() for w in weights]))
+            if self.bias is not None:
+                self.bias = self.bias.to(self.weight.dtype)
+        else:
+            self.weight, self.parts = None, linears
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parts is not None:
+            return torch.cat([m(x) for m in self.parts], dim=-1)
+        if isinstance(self.weight, QuantizedWeight):
+            return self.weight(x, self.bias)
         padded, rows = _padded(x)
         return _unpadded(torch.ops.mkldnn._linear_pointwise(padded, self.weight, self.bias, "none", [], ""), x, rows)
 
     def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, QuantizedWeight):
+            return self.weight(x, self.bias, add=other)
+        if self.parts is not None:
+            return self(x) + other
         padded, rows = _padded(x)
         other = _padded(other)[0] if rows else other.contiguous()
         y = torch.ops.mkldnn._linear_pointwise.binary(padded, other, self.weight, self.bias, "add")
         return _unpadded(y, x, rows)
 
     def share(self) -> None:
-        if len(self.linears) == 1:
+        if len(self.linears) == 1 or self.parts is not None:
             return
         start = 0
         for m, n in zip(self.linears, self.sizes):

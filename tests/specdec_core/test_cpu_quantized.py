@@ -1,0 +1,147 @@
+"""specdec_core.cpu_quantized: float32 weights that are exactly GGUF Q4_1 or Q8_0 values run from their
+codes with exactly those weights (a storage format, not a quantization), every output row the same
+whatever else shares the call, and the models made of them give the lean pass's bits and a batch's.
+
+The weights are made as the embedded default model's are: quantized by GGUF's own code (gguf-py) and
+dequantized to float32. The kernel needs AVX-512; on a CPU without it the layers stay on oneDNN
+(the last test checks that fallback on any CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf.quants import GGMLQuantizationType, dequantize, quantize
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdec_core import cpu_linear, cpu_quantized
+from specdec_core.batched_backend import BatchedBackend
+from specdec_core.cpu_quantized import QuantizedWeight
+
+needs_kernel = pytest.mark.skipif(not cpu_quantized.available(), reason="the kernel needs AVX-512 (F, BW, DQ)")
+FORMATS = {4: GGMLQuantizationType.Q4_1, 8: GGMLQuantizationType.Q8_0}
+
+
+def gguf_weight(n: int, k: int, bits: int, seed: int = 0) -> torch.Tensor:
+    """A float32 [n, k] weight as a GGUF file's dequantized Q4_1 / Q8_0 tensor."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    return torch.from_numpy(dequantize(quantize(w, FORMATS[bits]), FORMATS[bits]).copy())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_compress_finds_the_codes_that_give_back_every_float(bits):
+    w = gguf_weight(48, 96, bits)
+    q = cpu_quantized.compress(w)
+    assert q is not None and q.bits == bits
+    assert torch.equal(q.dequantized(), w)
+    assert q.nbytes() * 8 / w.numel() <= (6 if bits == 4 else 9.1)  # bits per weight, against float32's 32
+    # weights that are not on such a grid, or of a shape the kernel does not take, stay as they are
+    assert cpu_quantized.compress(w + 1e-4 * torch.randn_like(w)) is None
+    assert cpu_quantized.compress(w[:40]) is None  # n not a multiple of 16
+    assert cpu_quantized.compress(w[:, :80]) is None  # k not a multiple of 32
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_kernel_computes_with_exactly_those_weights(bits):
+    """Against float64 products of the same float32 weights: float32 rounding, nothing more."""
+    w = gguf_weight(96, 1536, bits, seed=1)
+    q = cpu_quantized.compress(w)
+    x = torch.randn(24, 1536, generator=torch.Generator().manual_seed(2))
+    want = x.double() @ w.double().T
+    got = q(x)
+    assert (got.double() - want).abs().max() / want.abs().max() < 1e-5
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_rows_result_depends_on_that_row_alone(bits):
+    """Batch invariance across every path of the kernel (a few rows dequantize in registers, 9-15 in
+    two tiles, 16 or more through a dequantized panel), thread counts, bias and residual: each row
+    bit for bit what it gives alone, and `add` bit for bit the product plus the residual."""
+    w = gguf_weight(80, 192, bits, seed=3)  # 5 groups of 16 columns: an odd one at the end
+    q = cpu_quantized.compress(w)
+    bias = torch.randn(80)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(40, 192, generator=gen)
+    residual = torch.randn(40, 80, generator=gen)
+    alone = torch.cat([q(x[r:r + 1], bias) for r in range(40)])
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for rows in (1, 3, 8, 13, 16, 40):
+                assert torch.equal(q(x[:rows], bias), alone[:rows]), (rows, n_threads)
+                assert torch.equal(q(x[:rows], bias, add=residual[:rows]), alone[:rows] + residual[:rows])
+    finally:
+        torch.set_num_threads(threads)
+    # a strided input (a slice of a wider tensor) reads the same numbers
+    wide = torch.cat((x, torch.randn(40, 8)), dim=1)
+    assert torch.equal(q(wide[:5, :192], bias), alone[:5])
+
+
+@needs_kernel
+def test_stacked_weights_give_each_weights_own_product():
+    parts = [cpu_quantized.compress(gguf_weight(n, 64, 4, seed=n)) for n in (64, 32, 32)]
+    x = torch.randn(7, 64)
+    assert torch.equal(QuantizedWeight.cat(parts)(x), torch.cat([p(x) for p in parts], dim=-1))
+
+
+def gguf_llama(tie: bool = True) -> LlamaForCausalLM:
+    """A tiny Llama whose linear layers are Q4_1 values and whose (tied) embeddings Q8_0, as in the
+    embedded default model's GGUF file."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for i, m in enumerate(model.modules()):
+            if isinstance(m, torch.nn.Linear) and m is not model.lm_head:
+                m.weight.copy_(gguf_weight(*m.weight.shape, 4, seed=i))
+        model.model.embed_tokens.weight.copy_(gguf_weight(256, 64, 8, seed=99))
+    return model
+
+
+@needs_kernel
+def test_a_gguf_models_layers_run_from_codes_with_the_models_logits_and_batch_invariance():
+    model = gguf_llama()
+    ids = torch.randint(0, 256, (1, 37), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want = model(ids).logits
+        assert cpu_linear.pack_linears(model) == 2 * 7 + 1
+        got = model(ids).logits
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(isinstance(m.specdec_packed_weight, QuantizedWeight) for m in linears)
+    assert model.lm_head.specdec_packed_weight.bits == 8
+    assert model.model.layers[0].mlp.up_proj.weight.numel() == 0  # the float32 copy is gone
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    # the lean pass (fused q/k/v and gate/up, residuals in the output projections) gives the model's
+    # own bits, and a session's logits do not depend on its batch
+    gen = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 256, (20 + 3 * i,), generator=gen).tolist() for i in range(8)]
+    own, lean = BatchedBackend(model, lean=False), BatchedBackend(model)
+    solo = [own.allocate() for _ in seqs]
+    batch = [lean.allocate() for _ in seqs]
+    for h, s in zip(solo, seqs):
+        own.forward(h, s[:-1], 0)
+    lean.forward_batch([(h, s[:-1], 0) for h, s in zip(batch, seqs)])
+    together = lean.forward_batch([(h, s[-1:], len(s) - 1) for h, s in zip(batch, seqs)])
+    assert lean._lean is not None and lean._lean_checked
+    for h, s, got in zip(solo, seqs, together):
+        assert torch.equal(own.forward(h, s[-1:], len(s) - 1), got)
+
+
+def test_without_the_kernel_the_layers_stay_on_onednn(monkeypatch):
+    """SPECDEC_QUANTIZED_LINEARS=0 (or a CPU without AVX-512): the same model on oneDNN's packed layers."""
+    if not cpu_linear.available(torch.float32):
+        pytest.skip("PyTorch built without oneDNN")
+    monkeypatch.setenv("SPECDEC_QUANTIZED_LINEARS", "0")
+    model = gguf_llama()
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want = model(ids).logits
+        cpu_linear.pack_linears(model)
+        got = model(ids).logits
+    assert not any(isinstance(m.specdec_packed_weight, QuantizedWeight)
+                   for m in model.modules() if isinstance(m, torch.nn.Linear))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
