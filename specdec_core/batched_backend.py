@@ -76,6 +76,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from specdec_core import cpu_kernels
+from specdec_core.cpu_linear import linear_kernel
 from specdec_core.errors import ResourceExhausted
 from specdec_core.kvcache import logits_per_item, prefix_hash
 from specdec_core.lean_pass import LeanPass
@@ -386,11 +387,13 @@ class BatchedBackend:
 
     def kv_layout(self) -> str:
         """The byte layout of exported KV: blobs are interchangeable between backends that give
-        the same string. Creates the pools (one scratch token) on a backend that ran nothing yet."""
+        the same string. Creates the pools (one scratch token) on a backend that ran nothing yet.
+        It names the linear layers' kernel too: another kernel rounds the keys and values in other
+        last bits, and a session continued from them could differ from the target alone at a tie."""
         self._ensure_pools()
         k = self._k_pools[0]
         return (f"paged-kv-v1 dtype={self.dtype} layers={len(self._k_pools)} "
-                f"kv_heads={k.shape[0]} head_dim={k.shape[2]}")
+                f"kv_heads={k.shape[0]} head_dim={k.shape[2]} linears={linear_kernel(self.model)}")
 
     @torch.inference_mode()
     def export_kv(self, handle: PagedSequence, ranges: list[tuple[int, int]]) -> list[bytes]:

@@ -114,6 +114,13 @@ def is_packed(model: torch.nn.Module) -> bool:
     return any(hasattr(m, "specdec_packed_weight") for m in model.modules())
 
 
+def linear_kernel(model: torch.nn.Module) -> str:
+    """Which kernels the model's linear layers run on (each rounds its sums in its own order)."""
+    kinds = {cpu_quantized.NAME if isinstance(w, QuantizedWeight) else PACKED
+             for m in model.modules() if (w := getattr(m, "specdec_packed_weight", None)) is not None}
+    return "+".join(sorted(kinds)) or "torch"
+
+
 class Fused:
     """Several packed linear layers that read the same input, as one: `x -> [x W_1^T | x W_2^T | ...]`
     in one oneDNN call (one read of the input, one call's overhead instead of several; SmolLM2's q/k/v
