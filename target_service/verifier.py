@@ -11,8 +11,9 @@ A long prefill goes through in chunks, between the other sessions' rounds (chunk
 and SGLang do): without it, a session that sends a 2,000-token prompt stalls every session decoding
 beside it for the whole prefill. A pass beside other sessions' rounds adds at most `prefill_chunk`
 tokens of long prefills, all of them together (two long prompts arriving at once would double the
-stall), and a pass of long prefills alone up to ALONE_TOKENS (nothing waits on it but what arrives
-meanwhile). The default chunk, 16, keeps a pass beside decoding sessions within about twice a
+stall), and so does the pass right after it (the other sessions' calls end together and come back
+within milliseconds); a later pass of long prefills alone takes up to ALONE_TOKENS (nothing waits on
+it but what arrives meanwhile). The default chunk, 16, keeps a pass beside decoding sessions within about twice a
 decoding pass on a CPU (4 sessions' decode pass ~30 ms; with 16 prompt tokens ~60, with 32 ~90):
 the mixed-load benchmark's chat ITL p99 went from 83.7 to 62.1 ms while two long prompts
 prefilled."""
@@ -114,6 +115,7 @@ class Verifier:
                  max_queue: int = 64, cores: CoreShare | None = None, prefill_chunk: int = 0):
         self.caches = caches
         self.prefill_chunk = prefill_chunk  # most uncached tokens of a session per pass (0: no limit)
+        self._rounds_last_pass = False  # the last pass carried rounds besides long prefills
         self.vocab_size = caches.backend.vocab_size
         self.max_context = max_context
         self.cores = cores
@@ -143,8 +145,11 @@ class Verifier:
             prefill = {i: len(tasks[i].committed_ids) - len(seq.token_ids) for i, seq in leased}
             long = [(i, seq) for i, seq in leased if 0 < self.prefill_chunk < prefill[i]]
             leased = [(i, seq) for i, seq in leased if not 0 < self.prefill_chunk < prefill[i]]
-            # what this pass takes of long prefills
-            budget = self.prefill_chunk if leased else max(self.prefill_chunk, ALONE_TOKENS)
+            # what this pass takes of long prefills: a chunk beside other sessions' rounds, and in the
+            # pass right after one (their calls ended together and they are on their way back: a pass
+            # of ALONE_TOKENS, ~350 ms on a CPU, would hold every one of them)
+            rounds_before, self._rounds_last_pass = self._rounds_last_pass, bool(leased)
+            budget = self.prefill_chunk if leased or rounds_before else max(self.prefill_chunk, ALONE_TOKENS)
             chunked = []  # (i, seq, tokens this pass): the rest in the next passes, between others' rounds
             for i, seq in long:
                 take = min(budget, prefill[i])

@@ -74,7 +74,8 @@ def test_core_share_gives_the_target_every_core_while_no_draft_worker_drafts():
 def test_a_long_prefill_goes_through_in_chunks_between_the_other_sessions_rounds(model):
     """Chunked prefill: beside a short session's verify, a pass takes 64 tokens of long prompts, all
     of them together (the first 64 of the first; the second waits); the short session is answered at
-    once, not after the prefills; passes of the prefills alone take 256 (ALONE_TOKENS); and each long session's
+    once, not after the prefills; the pass right after one with other rounds takes 64 too (those sessions are
+    on their way back), later passes of the prefills alone 256 (ALONE_TOKENS); and each long session's
     verdict, when it comes, is the one an unchunked pass gives."""
     from specdec_core.batching import AGAIN
 
@@ -88,12 +89,12 @@ def test_a_long_prefill_goes_through_in_chunks_between_the_other_sessions_rounds
     passes = [verifier._verify_batch([long, other])]
     while AGAIN in passes[-1]:
         passes.append(verifier._verify_batch([t for t, r in zip((long, other), passes[-1]) if r is AGAIN]))
-    # alone, 256 tokens per pass: long's 936 left in four (its verdict then, beside other's first 88),
-    # then other's remaining 212
+    # alone: 64 tokens in the pass right after the short session's, then 256 per pass: long's 872 left in
+    # four (its verdict then, beside other's first 152), then other's remaining 148
     assert ALONE_TOKENS == 256
-    assert [[isinstance(r, VerifyResult) for r in p] for p in passes] == [[False, False]] * 3 + [[True, False], [True]]
-    assert passes[3][0].prefill_tokens == 1000 - 64 - 3 * 256 and passes[3][0].batch_tokens == 168 + 3 + 88
+    assert [[isinstance(r, VerifyResult) for r in p] for p in passes] == [[False, False]] * 4 + [[True, False], [True]]
+    assert passes[4][0].prefill_tokens == 1000 - 2 * 64 - 3 * 256 and passes[4][0].batch_tokens == 104 + 3 + 152
     whole = Verifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024)
-    for task, result in ((long, passes[3][0]), (other, passes[4][0])):
+    for task, result in ((long, passes[4][0]), (other, passes[5][0])):
         alone = whole._verify_batch([task])[0]
         assert (result.num_accepted, result.next_token_id) == (alone.num_accepted, alone.next_token_id)
