@@ -189,9 +189,10 @@ failures: list[dict] = []  # baseline requests that raised (recorded in the JSON
 
 
 def sequential(layout: str, prompt_set: str, prompts: list[list[dict]], runners: dict[str, Runner],
-               max_new: int, progress: Progress) -> list[dict]:
+               max_new: int, progress: Progress, quiet: Callable[[], None] = lambda: None) -> list[dict]:
     """Concurrency 1: every prompt through every configuration in turn, the order rotated by one
-    configuration per prompt, so that drift on a shared machine spreads evenly."""
+    configuration per prompt, so that drift on a shared machine spreads evenly; each request once
+    the draft worker is idle (`stacks.quiet`)."""
     names = [n for n, r in runners.items() if r.only_set in (None, prompt_set)]
     done = {n: [] for n in names}
     memory = {n: {} for n in names}
@@ -199,6 +200,7 @@ def sequential(layout: str, prompt_set: str, prompts: list[list[dict]], runners:
         for name in names[i % len(names):] + names[:i % len(names)]:
             runner = runners[name]
             runner.probe.reset()
+            quiet()
             try:
                 request = runner.run(i, messages, max_new)
             except Exception as exc:  # noqa: BLE001 - a reference baseline must not sink the run
@@ -220,7 +222,7 @@ def sequential(layout: str, prompt_set: str, prompts: list[list[dict]], runners:
 def concurrent(prompt_set: str, prompts: list[list[dict]], plan: Plan, stack, progress: Progress) -> list[dict]:
     """Concurrency c > 1: c client threads against the one stack, configuration by configuration
     (the order reversed at every other level)."""
-    probe = stacks.service_probe(stack)
+    probe, wait_quiet = stacks.service_probe(stack), stacks.quiet(stack)
     rows = []
     for j, c in enumerate(lv for lv in plan.levels if lv > 1):
         jobs = [(i % len(prompts), prompts[i % len(prompts)]) for i in range(max(len(prompts), c))]
@@ -245,6 +247,7 @@ def concurrent(prompt_set: str, prompts: list[list[dict]], plan: Plan, stack, pr
                          f"running aggregate {count[1] / (time.perf_counter() - started):.1f} tok/s")
 
             probe.reset()
+            wait_quiet()
             requests, wall = stacks.run_batch(stack.address("coordinator"), jobs, c, options, on_done)
             rows.append(row("main", prompt_set, name, c, SPECDEC[name]["k"], requests, wall, probe.peak_mb()))
     return rows
@@ -281,7 +284,8 @@ def bench_main(plan: Plan, progress: Progress, log_dir: Path, save: Callable[[li
         warm_up(runners, progress)
         for prompt_set in plan.sets:
             prompts = take(prompt_set, plan.prompts)
-            rows += sequential("main", prompt_set, prompts, runners, plan.max_new_tokens, progress)
+            rows += sequential("main", prompt_set, prompts, runners, plan.max_new_tokens, progress,
+                               stacks.quiet(stack))
             rows += concurrent(prompt_set, prompts, plan, stack, progress)
             save(rows)  # a partial report after every prompt set: a late failure loses nothing before it
         if plan.mixed:
@@ -297,7 +301,8 @@ def bench_pinned(plan: Plan, progress: Progress, log_dir: Path) -> list[dict]:
         runners = {name: Runner(stacks.specdec_runner(client, SPECDEC[name]), probe, SPECDEC[name]["k"])
                    for name in PINNED}
         warm_up(runners, progress)
-        return sequential("pinned", "chat", take("chat", plan.prompts), runners, plan.max_new_tokens, progress)
+        return sequential("pinned", "chat", take("chat", plan.prompts), runners, plan.max_new_tokens, progress,
+                          stacks.quiet(stack))
 
 
 def bench_vllm(plan: Plan, progress: Progress, log_dir: Path, save: Callable[[list[dict]], None],

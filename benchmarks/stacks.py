@@ -91,6 +91,32 @@ def pinned_stack(log_dir: Path, device: str) -> PinnedStack:
                                  "target": one_thread + ["taskset", "-c", str(cores[1])]})
 
 
+def quiet(stack: Stack, window_s: float = 0.1, timeout_s: float = 3.0) -> Callable[[], None]:
+    """A wait, before each measured request or wave, until the draft worker's CPU time stands still
+    for `window_s` (at most `timeout_s`): what one configuration leaves running on the draft (a
+    cancelled block or warm-up finishing its chunk, its sessions ending) must not run into the next
+    configuration's requests, whose target prefill then has one core instead of two (measured: +~280
+    ms TTFT for the request after a model-draft one at c1, and chat c8 TTFT p50 494 ms for the
+    policy's wave, which followed model-draft waves, against 212 for K = 0, which followed it)."""
+    proc = stack.processes.get("draft")
+
+    def cpu_ticks() -> int:
+        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime
+
+    def wait() -> None:
+        if proc is None or not Path(f"/proc/{proc.pid}/stat").exists():
+            return
+        deadline, last = time.monotonic() + timeout_s, cpu_ticks()
+        while time.monotonic() < deadline:
+            time.sleep(window_s)
+            now = cpu_ticks()
+            if now - last <= 1:  # at most one clock tick (10 ms) of CPU in the window: idle
+                return
+            last = now
+    return wait
+
+
 def service_probe(stack: Stack) -> MemoryProbe:
     """VmHWM of every service process (env and taskset exec the service, so the pid is its own)."""
     return MemoryProbe({name: proc.pid for name, proc in stack.processes.items()})

@@ -131,52 +131,35 @@ def compress(w: torch.Tensor) -> QuantizedWeight | None:
         return None
     n, k = w.shape
     blocks = w.detach().reshape(-1, BLOCK)
-    return _q8(blocks, n, k) or _q4(blocks, n, k)
+    found = _fit(blocks, None, blocks.abs().amax(dim=1) / 127, -128, 127)
+    if found is not None:
+        return QuantizedWeight.pack(8, found[0].reshape(n, k), found[1].reshape(n, -1), None)
+    low = blocks.amin(dim=1)  # Q4_1: the block's minimum is m itself (its q is 0), an fp16 value
+    if not torch.equal(low.half().float(), low):
+        return None
+    found = _fit(blocks, low, (blocks.amax(dim=1) - low) / 15, 0, 15)
+    if found is not None:
+        return QuantizedWeight.pack(4, found[0].reshape(n, k), found[1].reshape(n, -1), low.reshape(n, -1))
+    return None
 
 
-def _fp16_candidates(d: torch.Tensor) -> list[torch.Tensor]:
-    """d rounded to fp16 and its fp16 neighbours (rounding may have moved it by one)."""
-    h = d.clamp(max=65504.0).half()
-    bits = h.view(torch.int16)
-    return [h.float(), (bits + 1).view(torch.float16).float(), (bits - 1).view(torch.float16).float()]
-
-
-def _q8(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight | None:
-    amax = blocks.abs().amax(dim=1)
-    scale = torch.zeros_like(amax)
-    found = torch.zeros_like(amax, dtype=torch.bool)
-    codes = torch.zeros_like(blocks, dtype=torch.int8)
-    for d in _fp16_candidates(amax / 127):
-        if found.all():
-            break
-        safe = torch.where(d > 0, d, torch.ones_like(d))
-        q = torch.round(blocks / safe[:, None]).clamp(-128, 127)
-        ok = ~found & (d >= 0) & ((q * d[:, None]) == blocks).all(dim=1)
+def _fit(blocks: torch.Tensor, m: torch.Tensor | None, d_guess: torch.Tensor, lo: int, hi: int
+         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q, d) with every block [32] bit for bit fl(d * q (+ m)), q in lo..hi and d an fp16 value
+    (the guess rounded to fp16, or one of its neighbours: rounding may have moved it), or None."""
+    q_all = torch.zeros_like(blocks, dtype=torch.int16)
+    scale = torch.zeros_like(d_guess)
+    found = torch.zeros_like(d_guess, dtype=torch.bool)
+    shifted = blocks if m is None else blocks - m[:, None]
+    h = d_guess.clamp(max=65504.0).half().view(torch.int16)
+    for bits in (h, h + 1, h - 1):
+        d = bits.view(torch.float16).float()
+        q = torch.round(shifted / torch.where(d > 0, d, torch.ones_like(d))[:, None]).clamp(lo, hi)
+        back = q * d[:, None] if m is None else q * d[:, None] + m[:, None]  # d q is exact: one rounding, as an FMA
+        ok = ~found & (d >= 0) & (back.view(torch.int32) == blocks.view(torch.int32)).all(dim=1)
         scale = torch.where(ok, d, scale)
-        codes[ok] = q[ok].to(torch.int8)
+        q_all[ok] = q[ok].to(torch.int16)
         found |= ok
-    if not found.all():
-        return None
-    return QuantizedWeight.pack(8, codes.reshape(n, k), scale.reshape(n, k // BLOCK), None)
-
-
-def _q4(blocks: torch.Tensor, n: int, k: int) -> QuantizedWeight | None:
-    low = blocks.amin(dim=1)
-    if not torch.equal(low.half().float(), low):  # the block's minimum is m itself (its q is 0)
-        return None
-    high = blocks.amax(dim=1)
-    scale = torch.zeros_like(low)
-    found = torch.zeros_like(low, dtype=torch.bool)
-    q_all = torch.zeros_like(blocks, dtype=torch.uint8)
-    for d in _fp16_candidates((high - low) / 15):
         if found.all():
-            break
-        safe = torch.where(d > 0, d, torch.ones_like(d))
-        q = torch.round((blocks - low[:, None]) / safe[:, None]).clamp(0, 15)
-        ok = ~found & (d >= 0) & ((q * d[:, None] + low[:, None]) == blocks).all(dim=1)
-        scale = torch.where(ok, d, scale)
-        q_all[ok] = q[ok].to(torch.uint8)
-        found |= ok
-    if not found.all():
-        return None
-    return QuantizedWeight.pack(4, q_all.reshape(n, k), scale.reshape(n, k // BLOCK), low.reshape(n, k // BLOCK))
+            return q_all, scale
+    return None
