@@ -102,8 +102,10 @@ def load_causal_lm(ref: str, dtype: str = "float32", device: str = "cpu", cache_
                    tensor_parallel: bool = False):
     """A transformers causal LM in eval mode, from any model reference. tensor_parallel: shard it
     over the initialized process group with the model's own tensor-parallel plan. On the CPU its
-    linear layers run on oneDNN with packed weights (`cpu_linear`; SPECDEC_PACKED_LINEARS=0 keeps
-    PyTorch's own; not under tensor parallelism, whose hooks wrap the layers' weights) and its
+    linear layers run on oneDNN with packed weights, or from their block-quantized codes where the
+    float32 weights are exactly GGUF Q4_1 / Q8_0 values (`cpu_linear`, `cpu_quantized`;
+    SPECDEC_PACKED_LINEARS=0 keeps PyTorch's own; not under tensor parallelism, whose hooks wrap the
+    layers' weights) and its
     attention on our kernel (`cpu_kernels`; SPECDEC_CPU_ATTENTION=0 keeps SDPA): everything that
     loads a model here runs the same kernels, so their outputs compare bit for bit."""
     import torch
