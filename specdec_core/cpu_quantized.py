@@ -65,30 +65,11 @@ class QuantizedWeight:
         return QuantizedWeight(bits, codes.contiguous(), by_group(d),
                                by_group(m) if m is not None else torch.zeros(0), (n, k))
 
-    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """q [n, k], d and m [n, k / 32]: what `pack` took."""
-        n, k = self.shape
-        groups, blocks = n // 16, k // BLOCK
-        if self.bits == 4:
-            q = torch.stack((self.codes & 15, self.codes >> 4), dim=-1)  # [G, B, i, c, 2]
-            q = q.permute(0, 3, 1, 2, 4).reshape(n, k)
-        else:
-            q = self.codes.permute(0, 3, 1, 2).reshape(n, k)
-        def by_column(t):
-            return t.permute(0, 2, 1).reshape(n, blocks)
-        return q, by_column(self.d), by_column(self.m) if self.bits == 4 else None
-
-    @property
-    def out_features(self) -> int:
-        return self.shape[0]
-
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., k] float32 -> x W^T (+ bias) (+ add) [..., n]."""
         n, k = self.shape
         lead = x.shape[:-1]
-        flat = x.reshape(-1, k)
-        if flat.stride(-1) != 1 or (flat.shape[0] > 1 and flat.stride(0) != k):
-            flat = flat.contiguous()
+        flat = x.reshape(-1, k).contiguous()
         rows = flat.shape[0]
         y = torch.empty(rows, n, dtype=torch.float32)
         if add is not None:
@@ -102,12 +83,19 @@ class QuantizedWeight:
         return y.reshape(*lead, n)
 
     def dequantized(self) -> torch.Tensor:
-        """The float32 weight [n, k] the codes stand for."""
-        q, d, m = self.unpacked()
+        """The float32 weight [n, k] the codes stand for (`pack` undone)."""
         n, k = self.shape
-        w = q.float().reshape(n, -1, BLOCK) * d[..., None]
-        if m is not None:
-            w = w + m[..., None]
+        groups, blocks = n // 16, k // BLOCK
+        if self.bits == 4:
+            q = torch.stack((self.codes & 15, self.codes >> 4), dim=-1)  # [G, B, i, c, 2]
+            q = q.permute(0, 3, 1, 2, 4).reshape(n, blocks, BLOCK)
+        else:
+            q = self.codes.permute(0, 3, 1, 2).reshape(n, blocks, BLOCK)
+        def by_column(t):
+            return t.permute(0, 2, 1).reshape(n, blocks, 1)
+        w = q.float() * by_column(self.d)
+        if self.bits == 4:
+            w = w + by_column(self.m)
         return w.reshape(n, k)
 
     @staticmethod

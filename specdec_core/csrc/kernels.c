@@ -279,9 +279,13 @@ void specdec_rope_write(float* qkv, const float* cos, const float* sin, int64_t 
 #define SPECDEC_INLINE __attribute__((always_inline)) static inline
 
 int specdec_quantized_available(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
+    static int available = -1;  /* asked once: every layer's call checks it */
+    if (available < 0) {
+        __builtin_cpu_init();
+        available = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                    __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
+    }
+    return available;
 }
 
 /* The weights of inputs 32 b + 2 i and 32 b + 2 i + 1 for a group's 16 columns; `block` at the group's block b. */

@@ -87,6 +87,25 @@ def test_stacked_weights_give_each_weights_own_product():
     assert torch.equal(QuantizedWeight.cat(parts)(x), torch.cat([p(x) for p in parts], dim=-1))
 
 
+@needs_kernel
+def test_fused_layers_of_different_formats_give_each_layers_own_product():
+    """q in Q4_1, k in Q8_0, v not on any grid (oneDNN): fused, each layer still computes in its own kernel."""
+    q, k, v = (torch.nn.Linear(64, n, bias=False) for n in (64, 32, 32))
+    with torch.no_grad():
+        q.weight.copy_(gguf_weight(64, 64, 4, seed=1))
+        k.weight.copy_(gguf_weight(32, 64, 8, seed=2))
+    model = torch.nn.ModuleList([q, k, v]).eval()
+    cpu_linear.pack_linears(model)
+    assert [type(m.specdec_packed_weight) is QuantizedWeight for m in (q, k, v)] == [True, True, False]
+    x = torch.randn(1, 5, 64)
+    with torch.inference_mode():
+        alone = torch.cat([m(x) for m in (q, k, v)], dim=-1)
+        qkv = cpu_linear.Fused(q, k, v)
+        assert torch.equal(qkv(x), alone)
+        qkv.share()  # nothing to share between formats: the layers keep their own weights
+        assert torch.equal(torch.cat([m(x) for m in (q, k, v)], dim=-1), alone)
+
+
 def gguf_llama(tie: bool = True) -> LlamaForCausalLM:
     """A tiny Llama whose linear layers are Q4_1 values and whose (tied) embeddings Q8_0, as in the
     embedded default model's GGUF file."""
