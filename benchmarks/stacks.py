@@ -1,8 +1,8 @@
 """The two layouts of the local stack, requests against it (one at a time, or c client threads), and
 a private Redis that can be killed and brought back.
 
-- main: `specdec.launcher.Stack` as `specdec up` starts it (draft = the GGUF via llama.cpp);
-- pinned: the draft on one core with one llama.cpp thread, the target on another with one torch
+- main: `specdec.launcher.Stack` as `specdec up` starts it (draft = the GGUF on the backend `auto` picks);
+- pinned: the draft on one core with one thread, the target on another with one torch
   thread, so that overlapping draft and verify has a core to gain (on 2 shared cores, unpinned,
   they just take turns).
 """
@@ -75,18 +75,18 @@ class RedisProcess:
         self.proc.wait(20)
 
 
-def main_stack(log_dir: Path, device: str) -> Stack:
+def main_stack(log_dir: Path, device: str, draft_backend: str) -> Stack:
     target = ["--device", device] if device != "cpu" else []
-    return Stack(log_dir=log_dir, args={"draft": ["--backend", "llama.cpp"], "target": target})
+    return Stack(log_dir=log_dir, args={"draft": ["--backend", draft_backend], "target": target})
 
 
-def pinned_stack(log_dir: Path, device: str) -> PinnedStack:
+def pinned_stack(log_dir: Path, device: str, draft_backend: str) -> PinnedStack:
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         raise RuntimeError("the pinned layout needs two cores")
     one_thread = ["env", "OMP_NUM_THREADS=1", "MKL_NUM_THREADS=1"]  # torch reads these at import
     target = ["--device", device] if device != "cpu" else []
-    return PinnedStack(log_dir=log_dir, args={"draft": ["--backend", "llama.cpp", "--threads", "1"], "target": target},
+    return PinnedStack(log_dir=log_dir, args={"draft": ["--backend", draft_backend, "--threads", "1"], "target": target},
                        prefixes={"draft": ["taskset", "-c", str(cores[0])],
                                  "target": one_thread + ["taskset", "-c", str(cores[1])]})
 

@@ -37,7 +37,8 @@ def load_backend(cfg: DraftConfig):
 
     if cfg.threads:  # the cores `specdec up` gives the draft, as for llama.cpp
         torch.set_num_threads(cfg.threads)
-    return BatchedBackend(load_causal_lm(cfg.model, cfg.dtype, cfg.device), max_tokens=cfg.max_cache_tokens)
+    return BatchedBackend(load_causal_lm(cfg.model, cfg.dtype, cfg.device, int8_inputs=cfg.quantize_inputs),
+                          max_tokens=cfg.max_cache_tokens)
 
 
 def model_path(cfg: DraftConfig) -> str:

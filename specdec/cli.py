@@ -116,7 +116,9 @@ def _generation_flags(p: argparse.ArgumentParser, max_new_tokens: int | None = N
 def _stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default="smollm2", help="hub id, folder, .gguf, or smollm2 (default)")
     p.add_argument("--draft-model", default="smollm2", help="hub id, folder, .gguf, or smollm2 (default)")
-    p.add_argument("--draft-backend", default="auto", choices=["auto", "transformers", "llama.cpp"])
+    p.add_argument("--draft-backend", default="auto", choices=["auto", "transformers", "llama.cpp"],
+                   help="auto: for a GGUF draft, this project's engine in llama.cpp's 8-bit arithmetic where the "
+                        "CPU has AVX-512 VNNI, else llama.cpp")
     p.add_argument("--port", type=int, default=50050, help="coordinator port")
     p.add_argument("--log-dir", default=None, help="write each service's log here (default: a temp folder)")
     p.add_argument("--redis-data", default="", help="keep sessions in an append-only file in this folder "

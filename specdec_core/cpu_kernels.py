@@ -114,6 +114,10 @@ def library() -> ctypes.CDLL | None:
     lib.specdec_quantized_linear.restype = ctypes.c_int
     lib.specdec_quantized_linear.argtypes = [ctypes.c_int, _P, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _P, _P,
                                              ctypes.c_int]
+    lib.specdec_int8_available.restype = ctypes.c_int
+    lib.specdec_int8_available.argtypes = []
+    lib.specdec_quantized_linear_int8.restype = ctypes.c_int
+    lib.specdec_quantized_linear_int8.argtypes = lib.specdec_quantized_linear.argtypes
     return lib
 
 

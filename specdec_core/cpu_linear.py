@@ -79,9 +79,11 @@ def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def pack_linears(model: torch.nn.Module) -> int:
+def pack_linears(model: torch.nn.Module, int8_inputs: bool = False) -> int:
     """Pack every linear layer of a CPU model (see the module docstring); the number packed.
-    A no-op (0) for a model on another device, of another dtype, or already packed."""
+    A no-op (0) for a model on another device, of another dtype, or already packed.
+    int8_inputs: block-quantized layers quantize their inputs too (llama.cpp's arithmetic, for a
+    draft: `cpu_quantized`), where this CPU has the kernel for it."""
     linears = [m for m in model.modules()
                if isinstance(m, torch.nn.Linear) and not hasattr(m, "specdec_packed_weight")]
     if not linears or linears[0].weight.device.type != "cpu" or not available(linears[0].weight.dtype):
@@ -89,11 +91,15 @@ def pack_linears(model: torch.nn.Module) -> int:
     shared = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Linear)
               for p in m.parameters(recurse=False)}
     codes = linears[0].weight.dtype == torch.float32 and cpu_quantized.available()
+    if int8_inputs and not (codes and cpu_quantized.int8_available()):
+        log.warning("this CPU has no kernel for int8 inputs (AVX-512 VNNI and VBMI): the linears compute in float32")
+        int8_inputs = False
     quantized = 0
     for m in linears:
         w = m.weight
         q = cpu_quantized.compress(w) if codes else None
         if q is not None:
+            q.int8_inputs = int8_inputs
             m.specdec_packed_weight, m.forward = q, types.MethodType(_quantized_forward, m)
             quantized += 1
         else:
@@ -106,7 +112,7 @@ def pack_linears(model: torch.nn.Module) -> int:
     for p in model.parameters():
         p.data = p.data.clone()
     log.info("%d linear layers run from block-quantized codes (%s), %d on oneDNN with packed weights", quantized,
-             cpu_quantized.NAME, len(linears) - quantized)
+             cpu_quantized.INT8_NAME if int8_inputs else cpu_quantized.NAME, len(linears) - quantized)
     return len(linears)
 
 
@@ -116,7 +122,7 @@ def is_packed(model: torch.nn.Module) -> bool:
 
 def linear_kernel(model: torch.nn.Module) -> str:
     """Which kernels the model's linear layers run on (each rounds its sums in its own order)."""
-    kinds = {cpu_quantized.NAME if isinstance(w, QuantizedWeight) else PACKED
+    kinds = {w.name if isinstance(w, QuantizedWeight) else PACKED
              for m in model.modules() if (w := getattr(m, "specdec_packed_weight", None)) is not None}
     return "+".join(sorted(kinds)) or "torch"
 
@@ -148,7 +154,7 @@ class Fused:
         self.parts = None  # layers of different formats: each its own call
         if len(linears) == 1:  # one layer: its own weight, for `add`
             self.weight = weights[0]
-        elif all(isinstance(w, QuantizedWeight) for w in weights) and len({w.bits for w in weights}) == 1:
+        elif all(isinstance(w, QuantizedWeight) for w in weights) and len({(w.bits, w.int8_inputs) for w in weights}) == 1:
             self.weight = QuantizedWeight.cat(weights)
         elif not any(isinstance(w, QuantizedWeight) for w in weights):
             self.weight = torch.ops.mkldnn._reorder_linear_weight(torch.cat([w.to_dense() for w in weights]))

@@ -16,6 +16,14 @@ oneDNN's, so results differ from the packed layers' in the last bits; every path
 the reference `models.load_causal_lm` loads) runs the same layers.
 
 Needs AVX-512 (F, BW, DQ); elsewhere, or with SPECDEC_QUANTIZED_LINEARS=0, layers stay on oneDNN.
+
+`int8_inputs=True` is llama.cpp's arithmetic instead, for a draft model: each row's inputs are
+quantized to 8 bits per block of 32 too and a block's products summed in integers (AVX-512 VNNI,
+`specdec_quantized_linear_int8`). That is a quantization of the model (its logits move by ~1e-2), so
+a target never runs it; a draft may propose from any distribution (the target's verdicts keep the
+output exact), and its proposals agree with the float32 model's greedy choice about as often as
+llama.cpp's. Rows stay independent of each other, the threads and the row count (seeded sampled
+drafts are reproducible).
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ import torch
 from specdec_core import cpu_kernels
 
 BLOCK = 32
-NAME = "block-quantized"  # what logs call this kernel
+NAME = "block-quantized"  # what logs and KV layouts call this kernel
+INT8_NAME = "block-quantized-int8-inputs"
 
 
 def available() -> bool:
@@ -38,17 +47,24 @@ def available() -> bool:
     return lib is not None and bool(lib.specdec_quantized_available())
 
 
+def int8_available() -> bool:
+    """This CPU runs the int8-input kernel (AVX-512 VNNI and VBMI)."""
+    return available() and bool(cpu_kernels.library().specdec_int8_available())
+
+
 @dataclass
 class QuantizedWeight:
     """A weight [n, k] (n a multiple of 16, k of 32) as codes in the kernel's layout (see
     `specdec_quantized_linear` in csrc/kernels.c): `bits` 4 (Q4_1) or 8 (Q8_0); d and m per block of 32
-    inputs and output column (m empty for Q8_0)."""
+    inputs and output column (m empty for Q8_0). `int8_inputs`: multiply in llama.cpp's arithmetic
+    (see the module docstring)."""
 
     bits: int
     codes: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor
     shape: tuple[int, int]
+    int8_inputs: bool = False
 
     @staticmethod
     def pack(bits: int, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> QuantizedWeight:
@@ -74,7 +90,9 @@ class QuantizedWeight:
         y = torch.empty(rows, n, dtype=torch.float32)
         if add is not None:
             add = add.reshape(rows, n).contiguous()
-        failed = cpu_kernels.library().specdec_quantized_linear(
+        lib = cpu_kernels.library()
+        kernel = lib.specdec_quantized_linear_int8 if self.int8_inputs else lib.specdec_quantized_linear
+        failed = kernel(
             self.bits, flat.data_ptr(), k, rows, k, self.codes.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), n,
             bias.data_ptr() if bias is not None else None, add.data_ptr() if add is not None else None,
             y.data_ptr(), torch.get_num_threads())
@@ -102,11 +120,16 @@ class QuantizedWeight:
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Weights that read the same input, as one ([W_1; W_2; ...], rows stacked: groups of 16
         columns are whole, so the codes stack as they are)."""
-        bits, k = parts[0].bits, parts[0].shape[1]
-        if any(p.bits != bits or p.shape[1] != k for p in parts):
-            raise ValueError("only weights of the same format and input size stack")
-        return QuantizedWeight(bits, torch.cat([p.codes for p in parts]), torch.cat([p.d for p in parts]),
-                               torch.cat([p.m for p in parts]), (sum(p.shape[0] for p in parts), k))
+        first = parts[0]
+        if any((p.bits, p.shape[1], p.int8_inputs) != (first.bits, first.shape[1], first.int8_inputs) for p in parts):
+            raise ValueError("only weights of the same format, arithmetic and input size stack")
+        return QuantizedWeight(first.bits, torch.cat([p.codes for p in parts]), torch.cat([p.d for p in parts]),
+                               torch.cat([p.m for p in parts]), (sum(p.shape[0] for p in parts), first.shape[1]),
+                               first.int8_inputs)
+
+    @property
+    def name(self) -> str:
+        return INT8_NAME if self.int8_inputs else NAME
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.m))

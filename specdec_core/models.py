@@ -99,7 +99,7 @@ def load_tokenizer(ref: str, cache_dir: Path | None = None):
 
 
 def load_causal_lm(ref: str, dtype: str = "float32", device: str = "cpu", cache_dir: Path | None = None,
-                   tensor_parallel: bool = False):
+                   tensor_parallel: bool = False, int8_inputs: bool = False):
     """A transformers causal LM in eval mode, from any model reference. tensor_parallel: shard it
     over the initialized process group with the model's own tensor-parallel plan. On the CPU its
     linear layers run on oneDNN with packed weights, or from their block-quantized codes where the
@@ -107,7 +107,9 @@ def load_causal_lm(ref: str, dtype: str = "float32", device: str = "cpu", cache_
     SPECDEC_PACKED_LINEARS=0 keeps PyTorch's own; not under tensor parallelism, whose hooks wrap the
     layers' weights) and its
     attention on our kernel (`cpu_kernels`; SPECDEC_CPU_ATTENTION=0 keeps SDPA): everything that
-    loads a model here runs the same kernels, so their outputs compare bit for bit."""
+    loads a model here runs the same kernels, so their outputs compare bit for bit.
+    int8_inputs: block-quantized layers run in llama.cpp's arithmetic instead (a draft's choice:
+    `cpu_quantized`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -125,6 +127,6 @@ def load_causal_lm(ref: str, dtype: str = "float32", device: str = "cpu", cache_
     if os.environ.get("SPECDEC_PACKED_LINEARS", "1") != "0":
         from specdec_core.cpu_linear import pack_linears
 
-        pack_linears(model)
+        pack_linears(model, int8_inputs=int8_inputs)
     cpu_kernels.enable(model)
     return model

@@ -453,8 +453,141 @@ int specdec_quantized_linear(int bits, const float* x, int64_t ldx, int64_t rows
     if (k % 32 || n % 16 || (bits != 4 && bits != 8) || !specdec_quantized_available()) return 1;
     return quantized_linear(bits, x, ldx, rows, k, codes, d, m, n, bias, add, y, threads);
 }
+/* The same codes with the inputs quantized too: llama.cpp's arithmetic, for a draft model (which may
+   propose from any distribution; the target's verdicts keep the output exact). Each row's block of
+   32 inputs becomes int8 q_x with scale d_x = max |x| / 127 (q_x = round(x / d_x)), and a block's
+   products are summed in integers with AVX-512 VNNI (vpdpbusd: 64 byte products a cycle):
+     Q4_1: y_c += (d_c d_x) * sum_j q_c,j q_x,j + m_c * (d_x sum_j q_x,j)
+     Q8_0: y_c += (d_c d_x) * sum_j q_c,j q_x,j   (the weights enter as q + 128, unsigned; 128 sum_j q_x,j
+                                                   is taken off the integer sum)
+   A 64-byte run of a block's codes is turned from (input, column) to (column, input) order by one
+   byte permutation (vpermb), so that each 32-bit lane holds four of one column's inputs; the row's
+   int8 inputs are stored in the order those lanes read them. The integer sums are exact and the float
+   updates run per row in block order, so a row's result depends on that row alone. Needs VNNI and
+   VBMI on top of the above: specdec_int8_available(). */
+#define SPECDEC_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni,avx512vbmi,fma")))
+
+int specdec_int8_available(void) {
+    static int available = -1;
+    if (available < 0) {
+        __builtin_cpu_init();
+        available = specdec_quantized_available() && __builtin_cpu_supports("avx512vnni") &&
+                    __builtin_cpu_supports("avx512vbmi");
+    }
+    return available;
+}
+
+/* One row's inputs, per block: 32 int8 in lane order (Q4_1: per 8 inputs the 4 even ones, then the
+   4 odd ones, as a byte's low and high nibbles hold them; Q8_0: in order), d_x and sum q_x. */
+SPECDEC_VNNI static void quantize_inputs(int bits, const float* x, int64_t k, int8_t* q, float* dx, int32_t* sums) {
+    for (int64_t b = 0; b < k / 32; b++) {
+        __m512 lo = _mm512_loadu_ps(x + 32 * b), hi = _mm512_loadu_ps(x + 32 * b + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+        dx[b] = amax / 127.0f;
+        sums[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        int8_t in_order[32], *out = q + 32 * b;
+        _mm_storeu_si128((__m128i*)in_order, _mm512_cvtepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i*)(in_order + 16), _mm512_cvtepi32_epi8(qhi));
+        for (int j = 0; j < 32; j++)
+            out[j] = bits == 4 ? in_order[(j & ~7) + 2 * (j & 3) + ((j >> 2) & 1)] : in_order[j];
+    }
+}
+
+/* R rows (at most 8) by one group of 16 columns. */
+SPECDEC_VNNI SPECDEC_INLINE void int8_tile(const qweight* w, int R, const int8_t* xq, const float* xd,
+                                           const int32_t* xs, int64_t g, __m512* out) {
+    __m512i order;  /* output byte 4 c + j takes input byte 16 j + c */
+    {
+        uint8_t idx[64];
+        for (int p = 0; p < 64; p++) idx[p] = (uint8_t)((p & 3) * 16 + (p >> 2));
+        order = _mm512_loadu_si512(idx);
+    }
+    const __m512i low4 = _mm512_set1_epi8(15), bias128 = _mm512_set1_epi8((char)0x80);
+    __m512 acc[8];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < w->blocks; b++) {
+        const uint8_t* blk = group_block(w, g, b);
+        __m512i wv[8];
+        if (w->bits == 4) {
+            for (int t = 0; t < 4; t++) {
+                __m512i v = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(blk + 64 * t));
+                wv[2 * t] = _mm512_and_si512(v, low4);
+                wv[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            }
+        } else {
+            for (int t = 0; t < 8; t++)
+                wv[t] = _mm512_xor_si512(_mm512_permutexvar_epi8(order, _mm512_loadu_si512(blk + 64 * t)), bias128);
+        }
+        const int64_t at = (g * w->blocks + b) * 16;
+        const __m512 dv = _mm512_loadu_ps(w->d + at);
+        const __m512 mv = w->bits == 4 ? _mm512_loadu_ps(w->m + at) : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            const int32_t* xi = (const int32_t*)(xq + r * w->k + 32 * b);
+            __m512i s2[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  /* two chains: exact either way */
+            for (int u = 0; u < 8; u++) s2[u & 1] = _mm512_dpbusd_epi32(s2[u & 1], wv[u], _mm512_set1_epi32(xi[u]));
+            __m512i s = _mm512_add_epi32(s2[0], s2[1]);
+            const float dx = xd[r * w->blocks + b];
+            const int32_t sx = xs[r * w->blocks + b];
+            if (w->bits == 4) {
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(dx)), acc[r]);
+                acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(dx * (float)sx), acc[r]);
+            } else {
+                s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * sx));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(dx)), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) out[r * 2] = acc[r];
+}
+
+#define SPECDEC_INT8(R) \
+    case R: int8_tile(w, R, xq, xd, xs, g, out); break;
+SPECDEC_VNNI static void int8_rows(const qweight* w, int R, const int8_t* xq, const float* xd, const int32_t* xs,
+                                   int64_t g, __m512* out) {
+    switch (R) {
+        SPECDEC_INT8(1) SPECDEC_INT8(2) SPECDEC_INT8(3) SPECDEC_INT8(4)
+        SPECDEC_INT8(5) SPECDEC_INT8(6) SPECDEC_INT8(7) SPECDEC_INT8(8)
+    }
+}
+
+int specdec_quantized_linear_int8(int bits, const float* x, int64_t ldx, int64_t rows, int64_t k,
+                                  const uint8_t* codes, const float* d, const float* m, int64_t n,
+                                  const float* bias, const float* add, float* y, int threads) {
+    if (k % 32 || n % 16 || (bits != 4 && bits != 8) || !specdec_int8_available()) return 1;
+    qweight w = {bits, k, n, k / 32, bits == 4 ? 256 : 512, codes, d, m};
+    int8_t* xq = malloc(rows * k + 64);
+    float* xd = malloc(sizeof(float) * rows * w.blocks + 64);
+    int32_t* xs = malloc(sizeof(int32_t) * rows * w.blocks + 64);
+    if (!xq || !xd || !xs) {
+        free(xq), free(xd), free(xs);
+        return 2;
+    }
+    for (int64_t r = 0; r < rows; r++)
+        quantize_inputs(bits, x + r * ldx, k, xq + r * k, xd + r * w.blocks, xs + r * w.blocks);
+#pragma omp parallel num_threads(threads > 0 ? threads : 1) if (threads > 1)
+    {
+        __m512 out[16];
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < n / 16; g++)
+            for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+                const int R = rows - r0 < 8 ? (int)(rows - r0) : 8;
+                int8_rows(&w, R, xq + r0 * k, xd + r0 * w.blocks, xs + r0 * w.blocks, g, out);
+                store(out, R, 1, r0, 16 * g, n, bias, add, y);
+            }
+    }
+    free(xq), free(xd), free(xs);
+    return 0;
+}
 #else
 int specdec_quantized_available(void) { return 0; }
+int specdec_int8_available(void) { return 0; }
+int specdec_quantized_linear_int8(int bits, const float* x, int64_t ldx, int64_t rows, int64_t k,
+                                  const uint8_t* codes, const float* d, const float* m, int64_t n,
+                                  const float* bias, const float* add, float* y, int threads) {
+    return 1;
+}
 int specdec_quantized_linear(int bits, const float* x, int64_t ldx, int64_t rows, int64_t k, const uint8_t* codes,
                              const float* d, const float* m, int64_t n, const float* bias, const float* add,
                              float* y, int threads) {

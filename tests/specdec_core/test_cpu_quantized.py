@@ -4,7 +4,8 @@ whatever else shares the call, and the models made of them give the lean pass's 
 
 The weights are made as the embedded default model's are: quantized by GGUF's own code (gguf-py) and
 dequantized to float32. The kernel needs AVX-512; on a CPU without it the layers stay on oneDNN
-(the last test checks that fallback on any CPU)."""
+(the last test checks that fallback on any CPU). The int8-input variant (a draft's, llama.cpp's
+arithmetic) is checked against its own reference and for the same row independence."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from specdec_core.batched_backend import BatchedBackend
 from specdec_core.cpu_quantized import QuantizedWeight
 
 needs_kernel = pytest.mark.skipif(not cpu_quantized.available(), reason="the kernel needs AVX-512 (F, BW, DQ)")
+needs_int8 = pytest.mark.skipif(not cpu_quantized.int8_available(),
+                                reason="the int8-input kernel needs AVX-512 VNNI and VBMI")
 FORMATS = {4: GGMLQuantizationType.Q4_1, 8: GGMLQuantizationType.Q8_0}
 
 
@@ -106,6 +109,60 @@ def test_fused_layers_of_different_formats_give_each_layers_own_product():
         assert torch.equal(torch.cat([m(x) for m in (q, k, v)], dim=-1), alone)
 
 
+def llama_cpp_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x W^T in float64 with x quantized as llama.cpp quantizes a row for a dot product with Q4_1 /
+    Q8_0 blocks: per block of 32, d = max |x| / 127 and q = round(x * (127 / max |x|)), in float32."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv)
+    return (q.double() * (amax / 127).double()).reshape(x.shape) @ w.double().T
+
+
+@needs_int8
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_inputs_compute_in_llama_cpps_arithmetic(bits):
+    """Against float64 products of the 8-bit inputs: float32 rounding, nothing more; and the inputs
+    really are quantized (the product is not the float32 one). A block of zeros gives zeros, not NaN."""
+    w = gguf_weight(96, 1536, bits, seed=1)
+    q = cpu_quantized.compress(w)
+    q.int8_inputs = True
+    x = torch.randn(24, 1536, generator=torch.Generator().manual_seed(2))
+    x[3, 64:96] = 0
+    want = llama_cpp_product(x, w)
+    got = q(x)
+    assert (got.double() - want).abs().max() / want.abs().max() < 1e-5
+    exact = x.double() @ w.double().T
+    assert (got.double() - exact).abs().max() / exact.abs().max() > 1e-4
+    assert torch.isfinite(got).all()
+
+
+@needs_int8
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_inputs_a_rows_result_depends_on_that_row_alone(bits):
+    """Tiles of 8 rows, a ragged last tile, 1 or 2 threads, bias and residual: each row bit for bit
+    what it gives alone (a seeded sampled draft must not depend on its batch)."""
+    w = gguf_weight(80, 192, bits, seed=3)
+    q = cpu_quantized.compress(w)
+    q.int8_inputs = True
+    bias = torch.randn(80)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(40, 192, generator=gen)
+    residual = torch.randn(40, 80, generator=gen)
+    alone = torch.cat([q(x[r:r + 1], bias) for r in range(40)])
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for rows in (1, 3, 8, 9, 17, 40):
+                assert torch.equal(q(x[:rows], bias), alone[:rows]), (rows, n_threads)
+                assert torch.equal(q(x[:rows], bias, add=residual[:rows]), alone[:rows] + residual[:rows])
+    finally:
+        torch.set_num_threads(threads)
+    wide = torch.cat((x, torch.randn(40, 8)), dim=1)
+    assert torch.equal(q(wide[:5, :192], bias), alone[:5])
+
+
 def gguf_llama(tie: bool = True) -> LlamaForCausalLM:
     """A tiny Llama whose linear layers are Q4_1 values and whose (tied) embeddings Q8_0, as in the
     embedded default model's GGUF file."""
@@ -148,6 +205,43 @@ def test_a_gguf_models_layers_run_from_codes_with_the_models_logits_and_batch_in
     assert lean._lean is not None and lean._lean_checked
     for h, s, got in zip(solo, seqs, together):
         assert torch.equal(own.forward(h, s[-1:], len(s) - 1), got)
+
+
+@needs_int8
+def test_a_draft_with_int8_inputs_is_close_to_the_model_and_batch_invariant():
+    """pack_linears(int8_inputs=True): every block-quantized layer (fused ones too) in llama.cpp's
+    arithmetic, named so in the KV layout; logits near the float32 model's, not its bits; a
+    session's logits the same alone and in a batch."""
+    model = gguf_llama()
+    ids = torch.randint(0, 256, (1, 37), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want = model(ids).logits
+        cpu_linear.pack_linears(model, int8_inputs=True)
+        got = model(ids).logits
+    assert cpu_linear.linear_kernel(model) == cpu_quantized.INT8_NAME
+    assert not torch.equal(got, want)
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    gen = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 256, (20 + 3 * i,), generator=gen).tolist() for i in range(8)]
+    own, lean = BatchedBackend(model, lean=False), BatchedBackend(model)
+    solo = [own.allocate() for _ in seqs]
+    batch = [lean.allocate() for _ in seqs]
+    for h, s in zip(solo, seqs):
+        own.forward(h, s[:-1], 0)
+    lean.forward_batch([(h, s[:-1], 0) for h, s in zip(batch, seqs)])
+    together = lean.forward_batch([(h, s[-1:], len(s) - 1) for h, s in zip(batch, seqs)])
+    assert lean._lean is not None and lean._lean_checked  # the fused layers agreed with the model's own
+    for h, s, got in zip(solo, seqs, together):
+        assert torch.equal(own.forward(h, s[-1:], len(s) - 1), got)
+
+
+@needs_kernel
+def test_int8_inputs_without_their_kernel_compute_in_float32(monkeypatch):
+    """A CPU without VNNI: the draft's layers still run from their codes, in float32 (logged)."""
+    monkeypatch.setattr(cpu_quantized, "int8_available", lambda: False)
+    model = gguf_llama()
+    cpu_linear.pack_linears(model, int8_inputs=True)
+    assert cpu_linear.linear_kernel(model) == cpu_quantized.NAME
 
 
 def test_without_the_kernel_the_layers_stay_on_onednn(monkeypatch):
