@@ -88,7 +88,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--int8-inputs", action="store_true",
-                   help="block-quantized linears in llama.cpp's arithmetic (the draft worker's --activations int8)")
+                   help="block-quantized linears in llama.cpp's arithmetic (the draft worker's --quantize-inputs)")
     p.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
     p.add_argument("--sessions", default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--new", default="1,6", help="comma-separated tokens per session per pass (1: K = 0)")
