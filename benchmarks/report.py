@@ -18,7 +18,9 @@ MIXED_CHAT = 4  # chat sessions decoding in the mixed-load scenario
 NOTES = [
     "Greedy; one stack serves every specdec configuration (per-request K / overlap / draft method / adaptive).",
     "c1 rows: every prompt through every configuration in turn (order rotated per prompt); aggregate tokens/s = "
-    "tokens / sum of request wall times. c>1 rows: c client threads, aggregate = tokens / batch wall time; before "
+    "tokens / sum of request wall times. c>1 rows: c client threads, every configuration in turn, the whole "
+    "turn three times over (--waves; the order reversed every other pass), aggregate = tokens / the sum of its "
+    "waves' wall times; before "
     "each level's rows every configuration is warmed up unmeasured (c requests of 32 tokens; the policy's "
     "configurations a whole row's tokens, so that its method gate has made its first tests at this load, as in a "
     "service under sustained traffic: its re-tests fall in the measured rows).",

@@ -4,7 +4,7 @@ backend `specdec up` picks, or --draft-backend), greedy, three prompt sets (chat
 
     .venv/bin/python benchmarks/run.py [--quick] [--prompts N] [--max-new-tokens 128]
                                        [--concurrency 1,4,8] [--only NAMES] [--no-vllm]
-                                       [--draft-backend auto|transformers|llama.cpp]
+                                       [--draft-backend auto|transformers|llama.cpp] [--waves 3]
 
 Everything runs in one process tree in one run, so every ratio is measured side by side: one stack
 serves all specdec configurations (per-request flags switch K, overlap, draft method, adaptive K);
@@ -82,6 +82,7 @@ class Plan:
     device: str
     vllm: list[str]
     draft_backend: str  # resolved: what `auto` stands for on this machine, unless --draft-backend names one
+    waves: int  # passes over the configurations at each level c > 1
 
 
 @dataclass
@@ -100,6 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 128")
     p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,4,8; 1 always runs)")
     p.add_argument("--only", default="", help="comma-separated configuration / prompt-set names, overlap_pinned, mixed")
+    p.add_argument("--waves", type=int, default=None,
+                   help="passes over every configuration at each concurrency above 1, pooled per row "
+                        "(default 3; --quick 1)")
     p.add_argument("--draft-backend", default="auto", choices=["auto", "transformers", "llama.cpp"],
                    help="the draft worker's backend (auto: what `specdec up` runs here)")
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM-CPU peer rows (they run by default "
@@ -125,7 +129,8 @@ def make_plan(a: argparse.Namespace, device: str) -> Plan:
                 pinned=(PINNED_NAME in only or not named) and "chat" in sets, device=device,
                 mixed=(MIXED_NAME in only or (not named and both)) and max(levels) > 1,
                 vllm=[] if a.no_vllm or device != "cpu" else [v for v in VLLM if not named or v in named],
-                draft_backend=resolve_backend(a.draft_backend, "smollm2"))
+                draft_backend=resolve_backend(a.draft_backend, "smollm2"),
+                waves=a.waves or (1 if a.quick else 3))
 
 
 def target_footprint(model_ref: str = "smollm2") -> dict:
@@ -226,8 +231,11 @@ def sequential(layout: str, prompt_set: str, prompts: list[list[dict]], runners:
 
 
 def concurrent(prompt_set: str, prompts: list[list[dict]], plan: Plan, stack, progress: Progress) -> list[dict]:
-    """Concurrency c > 1: c client threads against the one stack, configuration by configuration
-    (the order reversed at every other level)."""
+    """Concurrency c > 1: c client threads against the one stack, configuration by configuration,
+    `plan.waves` times over (the order reversed at every other pass and level); a row pools its
+    configuration's passes (tokens over the sum of their walls). One wave of 8 requests per
+    configuration varied by 7-10% from run to run here, as much as the policy's margins over K = 0:
+    passes spread over the level's time, so the machine's drift falls on every configuration alike."""
     probe, wait_quiet = stacks.service_probe(stack), stacks.quiet(stack)
     rows = []
     for j, c in enumerate(lv for lv in plan.levels if lv > 1):
@@ -242,20 +250,27 @@ def concurrent(prompt_set: str, prompts: list[list[dict]], plan: Plan, stack, pr
             tokens = plan.max_new_tokens if SPECDEC[name]["draft"] == "default" else WARM_UP_TOKENS
             stacks.run_batch(stack.address("coordinator"), jobs[:c], c,
                              {**SPECDEC[name], "max_new_tokens": tokens}, lambda request, started: None)
-        for name in plan.configs[::-1] if j % 2 else plan.configs:
-            options = {**SPECDEC[name], "max_new_tokens": plan.max_new_tokens}
-            count = [0, 0]
+        done: dict[str, list] = {name: [[], 0.0, {}] for name in plan.configs}  # requests, wall, memory
+        for wave in range(plan.waves):
+            for name in plan.configs[::-1] if (j + wave) % 2 else plan.configs:
+                options = {**SPECDEC[name], "max_new_tokens": plan.max_new_tokens}
+                count = [0, 0]
 
-            def on_done(request: Request, started: float, name=name, c=c, count=count, n=len(jobs)) -> None:
-                count[0] += 1
-                count[1] += len(request.token_ids)
-                progress(f"[main {prompt_set} c{c}] {name} request {count[0]}/{n}: "
-                         f"running aggregate {count[1] / (time.perf_counter() - started):.1f} tok/s")
+                def on_done(request: Request, started: float, name=name, c=c, count=count, n=len(jobs),
+                            wave=wave) -> None:
+                    count[0] += 1
+                    count[1] += len(request.token_ids)
+                    progress(f"[main {prompt_set} c{c} pass {wave + 1}/{plan.waves}] {name} request "
+                             f"{count[0]}/{n}: running aggregate {count[1] / (time.perf_counter() - started):.1f} tok/s")
 
-            probe.reset()
-            wait_quiet()
-            requests, wall = stacks.run_batch(stack.address("coordinator"), jobs, c, options, on_done)
-            rows.append(row("main", prompt_set, name, c, SPECDEC[name]["k"], requests, wall, probe.peak_mb()))
+                probe.reset()
+                wait_quiet()
+                requests, wall = stacks.run_batch(stack.address("coordinator"), jobs, c, options, on_done)
+                pooled = done[name]
+                pooled[0] += requests
+                pooled[1] += wall
+                pooled[2] = max_memory(pooled[2], probe.peak_mb())
+        rows += [row("main", prompt_set, name, c, SPECDEC[name]["k"], *done[name]) for name in plan.configs]
     return rows
 
 
