@@ -57,13 +57,17 @@ def test_the_kernel_computes_with_exactly_those_weights(bits):
 
 
 @needs_kernel
+@pytest.mark.parametrize("int8_inputs", [False, pytest.param(True, marks=needs_int8)])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_a_rows_result_depends_on_that_row_alone(bits):
+def test_a_rows_result_depends_on_that_row_alone(bits, int8_inputs):
     """Batch invariance across every path of the kernel (a few rows dequantize in registers, 9-15 in
-    two tiles, 16 or more through a dequantized panel), thread counts, bias and residual: each row
-    bit for bit what it gives alone, and `add` bit for bit the product plus the residual."""
+    two tiles, 16 or more through a dequantized panel; with int8 inputs, tiles of 8 rows and a
+    ragged last one), thread counts, bias and residual: each row bit for bit what it gives alone,
+    and `add` bit for bit the product plus the residual (a seeded sampled draft must not depend on
+    its batch either)."""
     w = gguf_weight(80, 192, bits, seed=3)  # 5 groups of 16 columns: an odd one at the end
     q = cpu_quantized.compress(w)
+    q.int8_inputs = int8_inputs
     bias = torch.randn(80)
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(40, 192, generator=gen)
@@ -73,7 +77,7 @@ def test_a_rows_result_depends_on_that_row_alone(bits):
     try:
         for n_threads in (1, 2):
             torch.set_num_threads(n_threads)
-            for rows in (1, 3, 8, 13, 16, 40):
+            for rows in (1, 3, 8, 9, 13, 16, 17, 40):
                 assert torch.equal(q(x[:rows], bias), alone[:rows]), (rows, n_threads)
                 assert torch.equal(q(x[:rows], bias, add=residual[:rows]), alone[:rows] + residual[:rows])
     finally:
@@ -137,32 +141,6 @@ def test_int8_inputs_compute_in_llama_cpps_arithmetic(bits):
     assert torch.isfinite(got).all()
 
 
-@needs_int8
-@pytest.mark.parametrize("bits", [4, 8])
-def test_int8_inputs_a_rows_result_depends_on_that_row_alone(bits):
-    """Tiles of 8 rows, a ragged last tile, 1 or 2 threads, bias and residual: each row bit for bit
-    what it gives alone (a seeded sampled draft must not depend on its batch)."""
-    w = gguf_weight(80, 192, bits, seed=3)
-    q = cpu_quantized.compress(w)
-    q.int8_inputs = True
-    bias = torch.randn(80)
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(40, 192, generator=gen)
-    residual = torch.randn(40, 80, generator=gen)
-    alone = torch.cat([q(x[r:r + 1], bias) for r in range(40)])
-    threads = torch.get_num_threads()
-    try:
-        for n_threads in (1, 2):
-            torch.set_num_threads(n_threads)
-            for rows in (1, 3, 8, 9, 17, 40):
-                assert torch.equal(q(x[:rows], bias), alone[:rows]), (rows, n_threads)
-                assert torch.equal(q(x[:rows], bias, add=residual[:rows]), alone[:rows] + residual[:rows])
-    finally:
-        torch.set_num_threads(threads)
-    wide = torch.cat((x, torch.randn(40, 8)), dim=1)
-    assert torch.equal(q(wide[:5, :192], bias), alone[:5])
-
-
 def gguf_llama(tie: bool = True) -> LlamaForCausalLM:
     """A tiny Llama whose linear layers are Q4_1 values and whose (tied) embeddings Q8_0, as in the
     embedded default model's GGUF file."""
@@ -178,6 +156,23 @@ def gguf_llama(tie: bool = True) -> LlamaForCausalLM:
     return model
 
 
+def assert_lean_and_batch_invariant(model) -> None:
+    """The lean pass (fused q/k/v and gate/up, residuals in the output projections) gives the model's
+    own bits, and a session's logits do not depend on its batch."""
+    gen = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 256, (20 + 3 * i,), generator=gen).tolist() for i in range(8)]
+    own, lean = BatchedBackend(model, lean=False), BatchedBackend(model)
+    solo = [own.allocate() for _ in seqs]
+    batch = [lean.allocate() for _ in seqs]
+    for h, s in zip(solo, seqs):
+        own.forward(h, s[:-1], 0)
+    lean.forward_batch([(h, s[:-1], 0) for h, s in zip(batch, seqs)])
+    together = lean.forward_batch([(h, s[-1:], len(s) - 1) for h, s in zip(batch, seqs)])
+    assert lean._lean is not None and lean._lean_checked
+    for h, s, got in zip(solo, seqs, together):
+        assert torch.equal(own.forward(h, s[-1:], len(s) - 1), got)
+
+
 @needs_kernel
 def test_a_gguf_models_layers_run_from_codes_with_the_models_logits_and_batch_invariance():
     model = gguf_llama()
@@ -191,20 +186,7 @@ def test_a_gguf_models_layers_run_from_codes_with_the_models_logits_and_batch_in
     assert model.lm_head.specdec_packed_weight.bits == 8
     assert model.model.layers[0].mlp.up_proj.weight.numel() == 0  # the float32 copy is gone
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    # the lean pass (fused q/k/v and gate/up, residuals in the output projections) gives the model's
-    # own bits, and a session's logits do not depend on its batch
-    gen = torch.Generator().manual_seed(2)
-    seqs = [torch.randint(0, 256, (20 + 3 * i,), generator=gen).tolist() for i in range(8)]
-    own, lean = BatchedBackend(model, lean=False), BatchedBackend(model)
-    solo = [own.allocate() for _ in seqs]
-    batch = [lean.allocate() for _ in seqs]
-    for h, s in zip(solo, seqs):
-        own.forward(h, s[:-1], 0)
-    lean.forward_batch([(h, s[:-1], 0) for h, s in zip(batch, seqs)])
-    together = lean.forward_batch([(h, s[-1:], len(s) - 1) for h, s in zip(batch, seqs)])
-    assert lean._lean is not None and lean._lean_checked
-    for h, s, got in zip(solo, seqs, together):
-        assert torch.equal(own.forward(h, s[-1:], len(s) - 1), got)
+    assert_lean_and_batch_invariant(model)
 
 
 @needs_int8
@@ -221,18 +203,7 @@ def test_a_draft_with_int8_inputs_is_close_to_the_model_and_batch_invariant():
     assert cpu_linear.linear_kernel(model) == cpu_quantized.INT8_NAME
     assert not torch.equal(got, want)
     assert (got - want).abs().max() < 0.05 * want.abs().max()
-    gen = torch.Generator().manual_seed(2)
-    seqs = [torch.randint(0, 256, (20 + 3 * i,), generator=gen).tolist() for i in range(8)]
-    own, lean = BatchedBackend(model, lean=False), BatchedBackend(model)
-    solo = [own.allocate() for _ in seqs]
-    batch = [lean.allocate() for _ in seqs]
-    for h, s in zip(solo, seqs):
-        own.forward(h, s[:-1], 0)
-    lean.forward_batch([(h, s[:-1], 0) for h, s in zip(batch, seqs)])
-    together = lean.forward_batch([(h, s[-1:], len(s) - 1) for h, s in zip(batch, seqs)])
-    assert lean._lean is not None and lean._lean_checked  # the fused layers agreed with the model's own
-    for h, s, got in zip(solo, seqs, together):
-        assert torch.equal(own.forward(h, s[-1:], len(s) - 1), got)
+    assert_lean_and_batch_invariant(model)
 
 
 @needs_kernel
