@@ -3,7 +3,7 @@
 A model dequantized from a GGUF file (the embedded default, SmolLM2-135M-Instruct Q4_1) has float32
 weights that are each exactly `d * q + m` (Q4_1: 4-bit q, a scale d and a minimum m per block of 32)
 or `d * q` (Q8_0: 8-bit q). A decode step reads every weight once, and on a CPU memory bandwidth is
-what bounds it: 32 bits a weight where 4.5 or 8.5 carry the same numbers. `compress(w)` finds the
+what bounds it: 32 bits a weight where 5 or 8.5 carry the same numbers. `compress(w)` finds the
 codes of such a weight (and checks them: the codes must give back every float of the weight, bit
 for bit), and `QuantizedWeight` multiplies with them in the C kernel (`csrc/kernels.c`,
 `specdec_quantized_linear`), which turns each block back into the same float32 weights in registers
@@ -55,8 +55,8 @@ def int8_available() -> bool:
 @dataclass
 class QuantizedWeight:
     """A weight [n, k] (n a multiple of 16, k of 32) as codes in the kernel's layout (see
-    `specdec_quantized_linear` in csrc/kernels.c): `bits` 4 (Q4_1) or 8 (Q8_0); d and m per block of 32
-    inputs and output column (m empty for Q8_0). `int8_inputs`: multiply in llama.cpp's arithmetic
+    `specdec_quantized_linear` in csrc/kernels.c): `bits` 4 (Q4_1) or 8 (Q8_0); d and m (float16, as
+    GGUF stores them) per block of 32 inputs and output column (m empty for Q8_0). `int8_inputs`: multiply in llama.cpp's arithmetic
     (see the module docstring)."""
 
     bits: int
@@ -76,10 +76,10 @@ class QuantizedWeight:
             codes = q[..., 0] | (q[..., 1] << 4)
         else:
             codes = q.to(torch.int8).reshape(groups, 16, blocks, BLOCK).permute(0, 2, 3, 1)
-        def by_group(t):
-            return t.reshape(groups, 16, blocks).permute(0, 2, 1).contiguous()
+        def by_group(t):  # fp16 values (checked by compress), stored as fp16: exact
+            return t.reshape(groups, 16, blocks).permute(0, 2, 1).to(torch.float16).contiguous()
         return QuantizedWeight(bits, codes.contiguous(), by_group(d),
-                               by_group(m) if m is not None else torch.zeros(0), (n, k))
+                               by_group(m) if m is not None else torch.zeros(0, dtype=torch.float16), (n, k))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., k] float32 -> x W^T (+ bias) (+ add) [..., n]."""
@@ -110,7 +110,7 @@ class QuantizedWeight:
         else:
             q = self.codes.permute(0, 3, 1, 2).reshape(n, blocks, BLOCK)
         def by_column(t):
-            return t.permute(0, 2, 1).reshape(n, blocks, 1)
+            return t.float().permute(0, 2, 1).reshape(n, blocks, 1)
         w = q.float() * by_column(self.d)
         if self.bits == 4:
             w = w + by_column(self.m)

@@ -269,7 +269,7 @@ void specdec_rope_write(float* qkv, const float* cos, const float* sin, int64_t 
      Q4_1 codes [n / 16, k / 32, 16, 16] bytes: byte (i, c) holds q for input 32 b + 2 i of column
           16 g + c in its low 4 bits and for input 32 b + 2 i + 1 in its high 4 bits;
      Q8_0 codes [n / 16, k / 32, 32, 16] int8: (j, c) is q for input 32 b + j of column 16 g + c;
-     d, m [n / 16, k / 32, 16] float32 (m: Q4_1 only).
+     d, m [n / 16, k / 32, 16] float16 (m: Q4_1 only), GGUF's own precision.
    x [rows, k] with row stride ldx; y and add [rows, n]. Needs AVX-512 (F, BW, DQ):
    specdec_quantized_available() says whether this CPU has it. */
 
@@ -286,6 +286,11 @@ int specdec_quantized_available(void) {
                     __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
     }
     return available;
+}
+
+/* 16 fp16 scales (d or m) as float32: exact. */
+SPECDEC_AVX512 SPECDEC_INLINE __m512 load_half(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
 }
 
 /* The weights of inputs 32 b + 2 i and 32 b + 2 i + 1 for a group's 16 columns; `block` at the group's block b. */
@@ -306,7 +311,7 @@ typedef struct {
     int bits;
     int64_t k, n, blocks, block_bytes;
     const uint8_t* codes;
-    const float *d, *m;
+    const uint16_t *d, *m;  /* fp16, as GGUF stores them */
 } qweight;
 
 static inline const uint8_t* group_block(const qweight* w, int64_t g, int64_t b) {
@@ -324,8 +329,8 @@ SPECDEC_AVX512 SPECDEC_INLINE void direct_tile(const qweight* w, int R, int C, c
         const uint8_t* blk[2];
         for (int c = 0; c < C; c++) {
             int64_t at = ((g0 + c) * w->blocks + b) * 16;
-            dv[c] = _mm512_loadu_ps(w->d + at);
-            mv[c] = w->bits == 4 ? _mm512_loadu_ps(w->m + at) : _mm512_setzero_ps();
+            dv[c] = load_half(w->d + at);
+            mv[c] = w->bits == 4 ? load_half(w->m + at) : _mm512_setzero_ps();
             blk[c] = group_block(w, g0 + c, b);
         }
         for (int i = 0; i < 16; i++) {
@@ -400,7 +405,7 @@ SPECDEC_AVX512 static void store(const __m512* out, int R, int C, int64_t r0, in
 
 /* 0 on success; 1 when this CPU or shape does not suit (k a multiple of 32, n of 16, bits 4 or 8). */
 SPECDEC_AVX512 static int quantized_linear(int bits, const float* x, int64_t ldx, int64_t rows, int64_t k,
-                                           const uint8_t* codes, const float* d, const float* m, int64_t n,
+                                           const uint8_t* codes, const uint16_t* d, const uint16_t* m, int64_t n,
                                            const float* bias, const float* add, float* y, int threads) {
     qweight w = {bits, k, n, k / 32, bits == 4 ? 256 : 512, codes, d, m};
     const int64_t groups = n / 16, items = (groups + 1) / 2;
@@ -427,7 +432,7 @@ SPECDEC_AVX512 static int quantized_linear(int bits, const float* x, int64_t ldx
                 const int64_t g = g0 + (c < C ? c : 0);
                 for (int64_t b = 0; b < w.blocks; b++) {
                     const int64_t at = (g * w.blocks + b) * 16;
-                    __m512 dv = _mm512_loadu_ps(d + at), mv = bits == 4 ? _mm512_loadu_ps(m + at) : _mm512_setzero_ps();
+                    __m512 dv = load_half(d + at), mv = bits == 4 ? load_half(m + at) : _mm512_setzero_ps();
                     for (int i = 0; i < 16; i++) {
                         __m512 wa, wb;
                         pair_weights(bits, group_block(&w, g, b), i, dv, mv, &wa, &wb);
@@ -448,7 +453,7 @@ SPECDEC_AVX512 static int quantized_linear(int bits, const float* x, int64_t ldx
 }
 
 int specdec_quantized_linear(int bits, const float* x, int64_t ldx, int64_t rows, int64_t k, const uint8_t* codes,
-                             const float* d, const float* m, int64_t n, const float* bias, const float* add,
+                             const uint16_t* d, const uint16_t* m, int64_t n, const float* bias, const float* add,
                              float* y, int threads) {
     if (k % 32 || n % 16 || (bits != 4 && bits != 8) || !specdec_quantized_available()) return 1;
     return quantized_linear(bits, x, ldx, rows, k, codes, d, m, n, bias, add, y, threads);
@@ -521,8 +526,8 @@ SPECDEC_VNNI SPECDEC_INLINE void int8_tile(const qweight* w, int R, const int8_t
                 wv[t] = _mm512_xor_si512(_mm512_permutexvar_epi8(order, _mm512_loadu_si512(blk + 64 * t)), bias128);
         }
         const int64_t at = (g * w->blocks + b) * 16;
-        const __m512 dv = _mm512_loadu_ps(w->d + at);
-        const __m512 mv = w->bits == 4 ? _mm512_loadu_ps(w->m + at) : _mm512_setzero_ps();
+        const __m512 dv = load_half(w->d + at);
+        const __m512 mv = w->bits == 4 ? load_half(w->m + at) : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
             const int32_t* xi = (const int32_t*)(xq + r * w->k + 32 * b);
             __m512i s2[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  /* two chains: exact either way */
@@ -553,7 +558,7 @@ SPECDEC_VNNI static void int8_rows(const qweight* w, int R, const int8_t* xq, co
 }
 
 int specdec_quantized_linear_int8(int bits, const float* x, int64_t ldx, int64_t rows, int64_t k,
-                                  const uint8_t* codes, const float* d, const float* m, int64_t n,
+                                  const uint8_t* codes, const uint16_t* d, const uint16_t* m, int64_t n,
                                   const float* bias, const float* add, float* y, int threads) {
     if (k % 32 || n % 16 || (bits != 4 && bits != 8) || !specdec_int8_available()) return 1;
     qweight w = {bits, k, n, k / 32, bits == 4 ? 256 : 512, codes, d, m};
@@ -584,12 +589,12 @@ int specdec_quantized_linear_int8(int bits, const float* x, int64_t ldx, int64_t
 int specdec_quantized_available(void) { return 0; }
 int specdec_int8_available(void) { return 0; }
 int specdec_quantized_linear_int8(int bits, const float* x, int64_t ldx, int64_t rows, int64_t k,
-                                  const uint8_t* codes, const float* d, const float* m, int64_t n,
+                                  const uint8_t* codes, const uint16_t* d, const uint16_t* m, int64_t n,
                                   const float* bias, const float* add, float* y, int threads) {
     return 1;
 }
 int specdec_quantized_linear(int bits, const float* x, int64_t ldx, int64_t rows, int64_t k, const uint8_t* codes,
-                             const float* d, const float* m, int64_t n, const float* bias, const float* add,
+                             const uint16_t* d, const uint16_t* m, int64_t n, const float* bias, const float* add,
                              float* y, int threads) {
     return 1;
 }

@@ -37,7 +37,7 @@ def test_compress_finds_the_codes_that_give_back_every_float(bits):
     q = cpu_quantized.compress(w)
     assert q is not None and q.bits == bits
     assert torch.equal(q.dequantized(), w)
-    assert q.nbytes() * 8 / w.numel() <= (6 if bits == 4 else 9.1)  # bits per weight, against float32's 32
+    assert q.nbytes() * 8 / w.numel() <= (5 if bits == 4 else 8.5)  # bits per weight (GGUF's own), against float32's 32
     # weights that are not on such a grid, or of a shape the kernel does not take, stay as they are
     assert cpu_quantized.compress(w + 1e-4 * torch.randn_like(w)) is None
     assert cpu_quantized.compress(w[:40]) is None  # n not a multiple of 16
