@@ -19,8 +19,8 @@ kernels, which it does when it is loaded by `models.load_causal_lm` too.
 `pack_linears(model)` swaps the forward of every `nn.Linear` of a CPU model in float32 (or
 bfloat16 where oneDNN has it) for the packed one; a float32 layer whose weights are exactly
 block-quantized values (a model dequantized from a GGUF file) runs from its codes instead
-(`cpu_quantized`: the same float32 weights read from 5 or 8.5 bits each, 1.5x faster at 8 rows and 2.4x
-at one here, and no slower at any row count). A layer whose weight is also another module's
+(`cpu_quantized`: the same float32 weights read from 5 or 8.5 bits each, 1.5x faster at 8 rows and
+2.4x at one here, and no slower at any row count). A layer whose weight is also another module's
 (tied input embeddings and LM head) keeps its weight and gains the packed copy; any other layer's
 weight is replaced by the packed copy, so the model's memory does not grow (tied weights aside).
 """
@@ -154,7 +154,8 @@ class Fused:
         self.parts = None  # layers of different formats: each its own call
         if len(linears) == 1:  # one layer: its own weight, for `add`
             self.weight = weights[0]
-        elif all(isinstance(w, QuantizedWeight) for w in weights) and len({(w.bits, w.int8_inputs) for w in weights}) == 1:
+        elif (all(isinstance(w, QuantizedWeight) for w in weights)
+              and len({(w.bits, w.int8_inputs) for w in weights}) == 1):
             self.weight = QuantizedWeight.cat(weights)
         elif not any(isinstance(w, QuantizedWeight) for w in weights):
             self.weight = torch.ops.mkldnn._reorder_linear_weight(torch.cat([w.to_dense() for w in weights]))

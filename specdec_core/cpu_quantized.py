@@ -56,8 +56,8 @@ def int8_available() -> bool:
 class QuantizedWeight:
     """A weight [n, k] (n a multiple of 16, k of 32) as codes in the kernel's layout (see
     `specdec_quantized_linear` in csrc/kernels.c): `bits` 4 (Q4_1) or 8 (Q8_0); d and m (float16, as
-    GGUF stores them) per block of 32 inputs and output column (m empty for Q8_0). `int8_inputs`: multiply in llama.cpp's arithmetic
-    (see the module docstring)."""
+    GGUF stores them) per block of 32 inputs and output column (m empty for Q8_0). `int8_inputs`:
+    multiply in llama.cpp's arithmetic (see the module docstring)."""
 
     bits: int
     codes: torch.Tensor

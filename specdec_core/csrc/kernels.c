@@ -458,6 +458,7 @@ int specdec_quantized_linear(int bits, const float* x, int64_t ldx, int64_t rows
     if (k % 32 || n % 16 || (bits != 4 && bits != 8) || !specdec_quantized_available()) return 1;
     return quantized_linear(bits, x, ldx, rows, k, codes, d, m, n, bias, add, y, threads);
 }
+
 /* The same codes with the inputs quantized too: llama.cpp's arithmetic, for a draft model (which may
    propose from any distribution; the target's verdicts keep the output exact). Each row's block of
    32 inputs becomes int8 q_x with scale d_x = max |x| / 127 (q_x = round(x / d_x)), and a block's
@@ -500,15 +501,17 @@ SPECDEC_VNNI static void quantize_inputs(int bits, const float* x, int64_t k, in
     }
 }
 
+/* The byte permutation of a 64-byte run of codes: output byte 4 c + j takes input byte 16 j + c. */
+#define SPECDEC_COLUMN(c) c, 16 + c, 32 + c, 48 + c
+static const uint8_t COLUMN_MAJOR[64] = {
+    SPECDEC_COLUMN(0), SPECDEC_COLUMN(1), SPECDEC_COLUMN(2), SPECDEC_COLUMN(3), SPECDEC_COLUMN(4), SPECDEC_COLUMN(5),
+    SPECDEC_COLUMN(6), SPECDEC_COLUMN(7), SPECDEC_COLUMN(8), SPECDEC_COLUMN(9), SPECDEC_COLUMN(10), SPECDEC_COLUMN(11),
+    SPECDEC_COLUMN(12), SPECDEC_COLUMN(13), SPECDEC_COLUMN(14), SPECDEC_COLUMN(15)};
+
 /* R rows (at most 8) by one group of 16 columns. */
 SPECDEC_VNNI SPECDEC_INLINE void int8_tile(const qweight* w, int R, const int8_t* xq, const float* xd,
                                            const int32_t* xs, int64_t g, __m512* out) {
-    __m512i order;  /* output byte 4 c + j takes input byte 16 j + c */
-    {
-        uint8_t idx[64];
-        for (int p = 0; p < 64; p++) idx[p] = (uint8_t)((p & 3) * 16 + (p >> 2));
-        order = _mm512_loadu_si512(idx);
-    }
+    const __m512i order = _mm512_loadu_si512(COLUMN_MAJOR);
     const __m512i low4 = _mm512_set1_epi8(15), bias128 = _mm512_set1_epi8((char)0x80);
     __m512 acc[8];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
