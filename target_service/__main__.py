@@ -83,7 +83,7 @@ def run_server(cfg: TargetConfig, backend, tier=None) -> None:
     if cfg.solo_threads and cfg.threads and cfg.tensor_parallel_size == 1:
         cores = CoreShare(cfg.threads, cfg.solo_threads)
     verifier = Verifier(caches, backend.max_context, cfg.batch_window_ms / 1e3, cfg.max_batch, cfg.max_queue, cores,
-                        cfg.prefill_chunk)
+                        cfg.prefill_chunk, cfg.prefill_stall)
     service = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
     server = create_server(Lanes(frozenset({f"/{service}/Verify"}), work=cfg.max_queue))
     target_pb2_grpc.add_TargetServicer_to_server(TargetServicer(verifier, cfg.model, cfg.tensor_parallel_size), server)

@@ -26,6 +26,7 @@ class TargetConfig:
     threads: int = 0
     solo_threads: int = 0
     prefill_chunk: int = 16
+    prefill_stall: float = 2.0
     kv_store: KVStoreOptions = KVStoreOptions()
 
     def __post_init__(self):
@@ -41,6 +42,8 @@ class TargetConfig:
             raise ValueError("max_queue must be >= 1")
         if self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
+        if self.prefill_stall != 0 and self.prefill_stall <= 1:
+            raise ValueError(f"prefill_stall must be > 1 (or 0: a fixed chunk), got {self.prefill_stall}")
         if self.threads < 0 or self.solo_threads < 0:
             raise ValueError(f"threads and solo_threads must be >= 0, got {self.threads}, {self.solo_threads}")
         if self.dtype not in ("float32", "float16", "bfloat16", "float64"):
@@ -81,12 +84,18 @@ class TargetConfig:
                             "0: always --threads")
         p.add_argument("--prefill-chunk", type=int,
                        default=int(env("SPECDEC_TARGET_PREFILL_CHUNK", cls.prefill_chunk)),
-                       help="long prompts are prefilled at most this many tokens per pass (all of them together) "
-                            "between the other sessions' rounds, so that they do not stall them; a pass of "
-                            "prefills alone takes up to 256 (0: whole prompts in one pass)")
+                       help="long prompts are prefilled in chunks between the other sessions' rounds, so that "
+                            "they do not stall them: this many tokens per pass (all of them together) until "
+                            "--prefill-stall has its measurements; a pass of prefills alone takes up to 256 "
+                            "(0: whole prompts in one pass)")
+        p.add_argument("--prefill-stall", type=float,
+                       default=float(env("SPECDEC_TARGET_PREFILL_STALL", cls.prefill_stall)),
+                       help="size the chunk so that a pass beside other sessions' rounds costs at most this many "
+                            "times their pass alone, by the measured cost of a pass and of a prompt token "
+                            "(0: always --prefill-chunk)")
         KVStoreOptions.add_flags(p, "SPECDEC_TARGET")
         ServerOptions.add_flags(p, "SPECDEC_TARGET", port=50052)
         a = p.parse_args(argv)
         return cls(ServerOptions.from_args(a), a.model, a.dtype, a.device, a.max_cache_tokens,
                    a.tensor_parallel_size, a.dist_timeout, a.kv_cache, a.batch_window_ms, a.max_batch, a.max_queue,
-                   a.threads, a.solo_threads, a.prefill_chunk, KVStoreOptions.from_args(a))
+                   a.threads, a.solo_threads, a.prefill_chunk, a.prefill_stall, KVStoreOptions.from_args(a))

@@ -9,14 +9,14 @@ model in one batched pass (each with its own cache length and K) when the backen
 
 A long prefill goes through in chunks, between the other sessions' rounds (chunked prefill, as vLLM
 and SGLang do): without it, a session that sends a 2,000-token prompt stalls every session decoding
-beside it for the whole prefill. A pass beside other sessions' rounds adds at most `prefill_chunk`
-tokens of long prefills, all of them together (two long prompts arriving at once would double the
-stall), and so does the pass right after it (the other sessions' calls end together and come back
-within milliseconds); a later pass of long prefills alone takes up to ALONE_TOKENS (nothing waits on
-it but what arrives meanwhile). The default chunk, 16, keeps a pass beside decoding sessions within about twice a
-decoding pass on a CPU (4 sessions' decode pass ~30 ms; with 16 prompt tokens ~60, with 32 ~90):
-the mixed-load benchmark's chat ITL p99 went from 83.7 to 62.1 ms while two long prompts
-prefilled."""
+beside it for the whole prefill. A pass beside other sessions' rounds takes at least
+`prefill_chunk` (16) tokens of long prefills, all of them together, and more where its measured
+costs keep it within `prefill_stall` (2) times the rounds' own pass (`PrefillBudget`); so does the
+pass right after one (the other sessions' calls end together and come back within milliseconds); a
+later pass of long prefills alone takes up to ALONE_TOKENS (nothing waits on it but what arrives
+meanwhile). A chunk of 16 keeps a pass beside 4 decoding sessions on this CPU within ~2.5 times
+their pass (17 -> ~45 ms): the mixed-load benchmark's chat ITL p99 at 1.8-2.4x its value without
+the long prompts."""
 
 from __future__ import annotations
 
@@ -47,6 +47,47 @@ from specdec_core.sampling import (
 from target_service.acceptance import verify_greedy, verify_sampled
 
 ALONE_TOKENS = 256  # a pass of long prefills alone takes this many prompt tokens (or --prefill-chunk, if more)
+
+
+class PrefillBudget:
+    """How many tokens of long prefills a pass beside other sessions' rounds takes: at least `chunk`,
+    and more where the measured costs allow it: as many as keep the pass within `stall` times what
+    the rounds alone cost, from two moving averages over recent passes (the ms of a pass of rounds
+    alone, and the ms a prompt token adds to a pass of rounds). Where more sessions wait for their
+    prefill than there are rounds in the pass, the allowance grows in proportion: a small chunk would
+    stall the waiting sessions far longer than a larger one stalls the decoding few.
+
+    On this CPU a prompt token adds ~1.8 ms to a ~17 ms pass of 4 decoding sessions: the stall
+    alone would allow ~9 tokens, and `chunk` (16) rules. That lowered the mixed-load chat ITL p99
+    (44 -> 36-39 ms) but took 9-25% off grounded c8 throughput (8 prompts arriving at once, one or
+    two decoding while the rest prefill 5 tokens a pass), so the stall only ever raises the chunk:
+    on a GPU, where a pass of 100 tokens costs about what a pass of 4 does, to ALONE_TOKENS, and
+    here when seven prompts wait beside one decoding session. `stall` 0: always `chunk`."""
+
+    def __init__(self, chunk: int, stall: float = 2.0, weight: float = 0.2):
+        self.chunk, self.stall, self.weight = chunk, stall, weight
+        self.rounds_ms: float | None = None
+        self.token_ms: float | None = None
+
+    def observe(self, ms: float, rounds: int, prefill: int) -> None:
+        """A pass took `ms` for `rounds` sessions' rounds and `prefill` tokens of long prefills."""
+        if not rounds:  # prefills alone say nothing about what the rounds pay
+            return
+        if not prefill:
+            self.rounds_ms = self._average(self.rounds_ms, ms)
+        elif self.rounds_ms is not None:
+            self.token_ms = self._average(self.token_ms, max(ms - self.rounds_ms, 0.0) / prefill)
+
+    def tokens(self, waiting: int = 1, rounds: int = 1) -> int:
+        """The chunk for a pass of `rounds` sessions' rounds while `waiting` sessions wait for their prefill."""
+        if not self.stall or self.rounds_ms is None or self.token_ms is None:
+            return self.chunk
+        allowed = (self.stall - 1) * self.rounds_ms * max(1.0, waiting / max(rounds, 1))
+        tokens = int(allowed / self.token_ms) if self.token_ms > 0 else ALONE_TOKENS
+        return max(self.chunk, min(ALONE_TOKENS, tokens))
+
+    def _average(self, mean: float | None, x: float) -> float:
+        return x if mean is None else mean + self.weight * (x - mean)
 
 
 @dataclass(frozen=True)
@@ -112,10 +153,12 @@ class CoreShare:
 
 class Verifier:
     def __init__(self, caches: SessionCaches, max_context: int, window_s: float = 0.001, max_batch: int = 32,
-                 max_queue: int = 64, cores: CoreShare | None = None, prefill_chunk: int = 0):
+                 max_queue: int = 64, cores: CoreShare | None = None, prefill_chunk: int = 0,
+                 prefill_stall: float = 0.0):
         self.caches = caches
-        self.prefill_chunk = prefill_chunk  # most uncached tokens of a session per pass (0: no limit)
-        self._rounds_last_pass = False  # the last pass carried rounds besides long prefills
+        self.prefill_chunk = prefill_chunk  # 0: whole prompts in one pass
+        self.prefill = PrefillBudget(prefill_chunk, prefill_stall)
+        self._rounds_last_pass = 0  # rounds the last pass carried besides long prefills
         self.vocab_size = caches.backend.vocab_size
         self.max_context = max_context
         self.cores = cores
@@ -143,13 +186,15 @@ class Verifier:
             if not leased:
                 return results
             prefill = {i: len(tasks[i].committed_ids) - len(seq.token_ids) for i, seq in leased}
-            long = [(i, seq) for i, seq in leased if 0 < self.prefill_chunk < prefill[i]]
-            leased = [(i, seq) for i, seq in leased if not 0 < self.prefill_chunk < prefill[i]]
+            chunk = self.prefill.tokens() if self.prefill_chunk else 0
+            long = [(i, seq) for i, seq in leased if 0 < chunk < prefill[i]]
+            leased = [(i, seq) for i, seq in leased if not 0 < chunk < prefill[i]]
             # what this pass takes of long prefills: a chunk beside other sessions' rounds, and in the
             # pass right after one (their calls ended together and they are on their way back: a pass
             # of ALONE_TOKENS, ~350 ms on a CPU, would hold every one of them)
-            rounds_before, self._rounds_last_pass = self._rounds_last_pass, bool(leased)
-            budget = self.prefill_chunk if leased or rounds_before else max(self.prefill_chunk, ALONE_TOKENS)
+            rounds = len(leased) or self._rounds_last_pass
+            self._rounds_last_pass = len(leased)
+            budget = self.prefill.tokens(len(long), rounds) if rounds else max(chunk, ALONE_TOKENS)
             chunked = []  # (i, seq, tokens this pass): the rest in the next passes, between others' rounds
             for i, seq in long:
                 take = min(budget, prefill[i])
@@ -176,6 +221,7 @@ class Verifier:
                 self.caches.crop(seq, n + num_accepted)  # rejected drafts never stay cached
                 decided.append((i, num_accepted, next_token, logprobs))
         compute_ms = (time.perf_counter() - started) * 1e3
+        self.prefill.observe(compute_ms, len(leased), sum(take for _, _, take in chunked))
         metrics.FORWARD_SECONDS.labels("target").observe(compute_ms / 1e3)
         metrics.VERIFY_BATCH.observe(len(leased) + len(chunked))
         for i, num_accepted, next_token, logprobs in decided:

@@ -298,8 +298,8 @@ def test_seeded_sampling_under_the_default_policy_is_reproducible_at_any_concurr
 @pytest.mark.lossless
 @pytest.mark.parametrize("speculation", [{}, {"draft": "model", "k": 4}], ids=["policy", "model_draft"])
 def test_long_prompts_prefilled_in_chunks_beside_decoding_sessions_are_lossless(tiny_stack, hf_greedy, speculation):
-    """The target prefills at most --prefill-chunk (16) tokens of prompts per pass, between the
-    other sessions' rounds, and the draft worker at most its --prefill-chunk (32) per batch, beside
+    """The target prefills prompts in chunks (--prefill-chunk, 16, or more as its measured costs
+    allow) between the other sessions' rounds, and the draft worker at most its --prefill-chunk (32) per batch, beside
     the other sessions' proposals (every request drafts with the model in the second case): two long
     prompts among four short ones, all at once."""
     prompts = [[(11 * i + 3 * j) % 3000 + 40 for j in range(n)] for i, n in enumerate((300, 450, 5, 9, 14, 20))]

@@ -12,7 +12,7 @@ from specdec_core.errors import ResourceExhausted
 from specdec_core.kvcache import SessionCaches
 from specdec_core.logs import short_id
 from specdec_core.sampling import SamplingConfig
-from target_service.verifier import ALONE_TOKENS, CoreShare, Verifier, VerifyResult, VerifyTask
+from target_service.verifier import ALONE_TOKENS, CoreShare, PrefillBudget, Verifier, VerifyResult, VerifyTask
 from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.capacity
@@ -98,3 +98,63 @@ def test_a_long_prefill_goes_through_in_chunks_between_the_other_sessions_rounds
     for task, result in ((long, passes[4][0]), (other, passes[5][0])):
         alone = whole._verify_batch([task])[0]
         assert (result.num_accepted, result.next_token_id) == (alone.num_accepted, alone.next_token_id)
+
+
+def test_the_prefill_budget_keeps_a_pass_within_its_stall_by_measured_costs():
+    """The chunk beside other sessions' rounds: `chunk` until a pass of rounds alone and a pass with
+    prefill tokens have been measured, then as many tokens as cost (stall - 1) times the rounds'
+    pass, never fewer than `chunk`: few where a token costs a lot beside them (a CPU), up to
+    ALONE_TOKENS where it costs nearly nothing (a GPU); passes of prefills alone change nothing;
+    stall 0 is a fixed chunk."""
+    cpu = PrefillBudget(4, stall=2.0)
+    cpu.observe(300.0, rounds=0, prefill=256)  # prefills alone: no measure of the rounds'
+    assert cpu.tokens() == 4
+    cpu.observe(18.0, rounds=4, prefill=0)
+    assert cpu.tokens() == 4  # a prompt token's cost not yet measured
+    cpu.observe(36.0, rounds=4, prefill=10)  # 1.8 ms a token beside a pass of 18 ms
+    assert cpu.tokens() == 10
+    slower = PrefillBudget(4, stall=1.5)
+    slower.observe(18.0, rounds=4, prefill=0)
+    slower.observe(36.0, rounds=4, prefill=10)
+    assert slower.tokens() == 5
+    floor = PrefillBudget(16, stall=2.0)
+    floor.observe(18.0, rounds=4, prefill=0)
+    floor.observe(36.0, rounds=4, prefill=10)
+    assert floor.tokens() == 16
+    gpu = PrefillBudget(16, stall=2.0)
+    gpu.observe(10.0, rounds=4, prefill=0)
+    gpu.observe(10.5, rounds=4, prefill=16)
+    assert gpu.tokens() == ALONE_TOKENS
+    gpu.observe(9.0, rounds=4, prefill=16)  # faster than the rounds alone (noise): costs nothing
+    assert gpu.tokens() == ALONE_TOKENS
+    fixed = PrefillBudget(16, stall=0)
+    fixed.observe(18.0, rounds=4, prefill=0)
+    fixed.observe(90.0, rounds=4, prefill=16)
+    assert fixed.tokens() == 16
+
+
+def test_a_verifier_chunks_by_what_its_prefill_budget_measured(model):
+    """The verifier takes the budget's current figure, not its starting chunk."""
+    from specdec_core.batching import AGAIN
+
+    long = VerifyTask("long", ids(500, 7), [11], GREEDY)
+    short = VerifyTask("short", ids(6, 8), [5], GREEDY)
+    verifier = Verifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024,
+                        prefill_chunk=4, prefill_stall=2.0)
+    verifier.prefill.observe(20.0, rounds=1, prefill=0)
+    verifier.prefill.observe(40.0, rounds=1, prefill=8)  # 2.5 ms a token: 8 tokens keep the pass within 2x
+    first = verifier._verify_batch([long, short])
+    assert first[0] is AGAIN and first[1].batch_tokens == 8 + 6 + 1
+
+
+def test_the_prefill_budget_grows_with_the_sessions_waiting_for_their_prefill():
+    """Seven prompts waiting beside one decoding session get seven times the allowance of one
+    waiting beside it (a small chunk would hold seven sessions to stall one less), never less
+    than one waiting; never more than ALONE_TOKENS."""
+    budget = PrefillBudget(4, stall=2.0)
+    budget.observe(18.0, rounds=1, prefill=0)
+    budget.observe(36.0, rounds=1, prefill=10)
+    assert budget.tokens(waiting=1, rounds=1) == budget.tokens(waiting=1, rounds=8) == 10
+    assert budget.tokens(waiting=7, rounds=1) == 70
+    assert budget.tokens(waiting=4, rounds=2) == 20
+    assert budget.tokens(waiting=100, rounds=1) == ALONE_TOKENS
