@@ -81,6 +81,57 @@ def case(backend, handles, new: int, repeats: int, device: str, check: bool = Tr
             "max_abs_diff_vs_alone": diff, "argmax_same_as_alone": same_argmax}
 
 
+def breakdown(backend, handles, new: int, repeats: int, device: str) -> dict[str, float]:
+    """ms per pass in each part of the lean pass, timed around its calls, each part's own time (a
+    timed call inside another counts for its own part only); the timers add a little to every part,
+    and `total` is the pass under them."""
+    from specdec_core.batched_backend import _BatchView
+    from specdec_core.cpu_linear import Fused
+
+    lean, spent = backend._lean, {}
+    parts = [(Fused, "__call__", "linears"), (Fused, "add", "linears"), (_BatchView, "write_qkv", "pool writes"),
+             (_BatchView, "update", "pool writes"), (_BatchView, "attend", "attention"),
+             (lean.model.lm_head, "forward", "LM head"), (lean.decoder.norm, "forward", "norms")]
+    for layer in lean.layers:
+        parts += [(layer.input_layernorm, "forward", "norms"), (layer.post_attention_layernorm, "forward", "norms"),
+                  (layer.mlp.act_fn, "forward", "activation")]
+    saved = [(obj, name, obj.__dict__.get(name)) for obj, name, _ in parts]
+
+    open_calls = []  # labels of the timed calls in progress: a call's time is its own part's, not its caller's
+
+    def timed(f, label):
+        def call(*a, **k):
+            open_calls.append(label)
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                took = time.perf_counter() - t
+                open_calls.pop()
+                spent[label] = spent.get(label, 0.0) + took
+                if open_calls:
+                    spent[open_calls[-1]] -= took
+        return call
+
+    def put(obj, name, value):  # past nn.Module's __setattr__, which takes only modules for act_fn
+        (type.__setattr__ if isinstance(obj, type) else object.__setattr__)(obj, name, value)
+
+    for obj, name, label in parts:
+        put(obj, name, timed(getattr(obj, name), label))
+    try:
+        case(backend, handles, new, 2, device, check=False)
+        spent.clear()
+        total = case(backend, handles, new, repeats, device, check=False)["ms_per_pass"]
+    finally:
+        for obj, name, original in reversed(saved):
+            if original is not None:
+                put(obj, name, original)
+            elif name in obj.__dict__:
+                object.__delattr__(obj, name)
+    ms = {label: t * 1e3 / (repeats + 2) for label, t in spent.items()}  # case() warms up with 2 passes
+    return {"total": total, **ms, "rest": total - sum(ms.values())}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
@@ -97,6 +148,9 @@ def main() -> None:
     p.add_argument("--forward", default="lean",
                    help="comma-separated passes to measure side by side: lean, model (default lean)")
     p.add_argument("--profile", action="store_true", help="print the op breakdown of the largest case (first pass named)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="per case, ms per pass in the lean pass's parts: linears, LM head, attention, pool writes, "
+                        "norms, activation, the rest (the CPU kernels are C calls, which --profile does not see)")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args()
     if args.threads:
@@ -128,11 +182,15 @@ def main() -> None:
                 one = next(x for x in results if x["new_tokens"] == new and x["sessions"] == 1
                            and x["forward"] == forward) if s != 1 else r
                 r["vs_one_session"] = r["ms_per_pass"] / one["ms_per_pass"]
+                if args.breakdown and forward == "lean":
+                    r["breakdown_ms"] = breakdown(backend, handles[:s], new, args.repeats, args.device)
                 results.append(r)
                 print(f"{s:3d} sessions x {new} tokens, {forward:5s} pass: {r['ms_per_pass']:8.2f} ms per pass "
                       f"({r['vs_one_session']:.2f}x one session's); logits vs alone: max |diff| "
                       f"{r['max_abs_diff_vs_alone']:.1e}, argmax {'same' if r['argmax_same_as_alone'] else 'DIFFERENT'}",
                       flush=True)
+                if "breakdown_ms" in r:
+                    print("      " + ", ".join(f"{k} {v:.2f}" for k, v in r["breakdown_ms"].items()), flush=True)
     backend._lean = lean if passes and passes[0] == "lean" else None
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
