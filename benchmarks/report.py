@@ -10,6 +10,7 @@ from pathlib import Path
 from measure import config_stats
 
 FIXED = ("target_k0", *(f"model_k{k}_{o}" for k in (3, 5, 8) for o in ("overlap", "no_overlap")), "ngram_k10")
+AGAIN = "target_k0_again"  # target_k0 run twice in one run: the noise of a ratio of rows
 DEFAULT = "default"  # what a request gets unless it asks otherwise: the policy chooses method and K per round
 SPECULATIVE = (DEFAULT, *FIXED[1:])
 HF = ("hf_greedy", "hf_prompt_lookup")
@@ -155,14 +156,17 @@ def summarize(rows: list[dict], meta: dict | None = None) -> tuple[dict, dict]:
 def policy_summary(rows: list[dict], sets: list[str], top: int) -> dict:
     """The default policy against the best fixed configuration and K = 0 on every prompt set and
     level, the best configuration's share of its roofline at c8 on chat, and the mixed load."""
-    vs_best, vs_k0 = {}, {}
+    vs_best, vs_k0, again = {}, {}, {}
     for prompt_set in sets:
         for c in sorted({r["concurrency"] for r in rows if r["layout"] == "main"}):
             policy = tps(rows, "main", prompt_set, DEFAULT, c)
             fixed = [t for t in (tps(rows, "main", prompt_set, f, c) for f in FIXED) if t]
+            k0 = tps(rows, "main", prompt_set, "target_k0", c)
             if policy and fixed:
                 vs_best[f"{prompt_set}_c{c}"] = policy / max(fixed)
-                vs_k0[f"{prompt_set}_c{c}"] = ratio(policy, tps(rows, "main", prompt_set, "target_k0", c))
+                vs_k0[f"{prompt_set}_c{c}"] = ratio(policy, k0)
+            if ratio(tps(rows, "main", prompt_set, AGAIN, c), k0):
+                again[f"{prompt_set}_c{c}"] = ratio(tps(rows, "main", prompt_set, AGAIN, c), k0)
     chat_top = [r for r in rows if (r["layout"], r["prompt_set"], r["concurrency"]) == ("main", "chat", top)
                 and r["config"] in (DEFAULT, *FIXED)]
     best = max(chat_top, key=lambda r: r["stats"]["tokens_per_s"] or 0, default=None)
@@ -175,6 +179,8 @@ def policy_summary(rows: list[dict], sets: list[str], top: int) -> dict:
     return {
         "policy_vs_best_fixed_min": min(vs_best.values(), default=None),
         "policy_vs_k0_min": min((v for v in vs_k0.values() if v), default=None),
+        "k0_again_vs_k0_min": min(again.values(), default=None),
+        "k0_again_vs_k0_max": max(again.values(), default=None),
         "c8_chat_roofline_fraction": best and ratio(best["stats"]["tokens_per_s"],
                                                     best["stats"]["roofline_tokens_per_s"]),
         "policy_c1_chat_vs_k0": ratio(tps(rows, "main", "chat", DEFAULT, 1), tps(rows, "main", "chat", "target_k0", 1)),
@@ -182,6 +188,7 @@ def policy_summary(rows: list[dict], sets: list[str], top: int) -> dict:
         "mixed_model_itl_p99_ratio": mixed_ratio("mixed_model"),
         "_policy_vs_best_fixed": vs_best,
         "_policy_vs_k0": vs_k0,
+        "_k0_again_vs_k0": again,
         "_c8_chat_best_config": best and best["config"],
     }
 
@@ -244,6 +251,10 @@ def summary_notes(top: int, best: str | None, hf_chosen: dict, sets: list[str], 
                                     "model draft K=3, 5, 8 with and without overlap; ngram_k10), the minimum over "
                                     "prompt sets and concurrency levels (each in _policy_vs_best_fixed)",
         "policy_vs_k0_min": "the default policy / target_k0, the minimum over prompt sets and levels",
+        "k0_again_vs_k0_min": "target_k0 measured twice in the run, interleaved like every configuration "
+                              "(target_k0_again / target_k0): the lowest ratio over prompt sets and levels, what "
+                              "noise alone does to a ratio of two rows here (read policy_vs_k0_min against it)",
+        "k0_again_vs_k0_max": "the highest",
         "c8_chat_roofline_fraction": f"chat set, c{top}: the fastest configuration's tokens/s / its roofline "
                                      "(c x tokens per round / max(draft, verify) ms per round, its own measurements)",
         "policy_c1_chat_vs_k0": "chat set, c1: the default policy / target_k0",

@@ -48,6 +48,8 @@ from specdec import Client  # noqa: E402
 
 SPECDEC = {  # per-request options; "k" is also the K of Leviathan's prediction
     "target_k0": {"draft": "none", "k": 0},
+    # target_k0 again, measured beside it: what a ratio of two rows moves by noise alone (A/A)
+    "target_k0_again": {"draft": "none", "k": 0},
     "default": {"draft": "default", "k": None},  # the policy: method and K chosen per round (overlap: the stack's)
     **{f"model_k{k}_{'overlap' if o else 'no_overlap'}": {"draft": "model", "k": k, "overlap": o}
        for k in (3, 5, 8) for o in (True, False)},
