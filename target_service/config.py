@@ -85,14 +85,15 @@ class TargetConfig:
         p.add_argument("--prefill-chunk", type=int,
                        default=int(env("SPECDEC_TARGET_PREFILL_CHUNK", cls.prefill_chunk)),
                        help="long prompts are prefilled in chunks between the other sessions' rounds, so that "
-                            "they do not stall them: this many tokens per pass (all of them together) until "
-                            "--prefill-stall has its measurements; a pass of prefills alone takes up to 256 "
-                            "(0: whole prompts in one pass)")
+                            "they do not stall them: at least this many tokens per such pass (all of them "
+                            "together), more where --prefill-stall allows; a pass of prefills alone takes up to "
+                            "256 (0: whole prompts in one pass)")
         p.add_argument("--prefill-stall", type=float,
                        default=float(env("SPECDEC_TARGET_PREFILL_STALL", cls.prefill_stall)),
-                       help="size the chunk so that a pass beside other sessions' rounds costs at most this many "
-                            "times their pass alone, by the measured cost of a pass and of a prompt token "
-                            "(0: always --prefill-chunk)")
+                       help="raise the chunk to as many tokens as keep a pass beside other sessions' rounds "
+                            "within this many times their pass alone, by the measured cost of a pass and of a "
+                            "prompt token (a GPU: up to 256; this CPU: --prefill-chunk rules; 0: always "
+                            "--prefill-chunk)")
         KVStoreOptions.add_flags(p, "SPECDEC_TARGET")
         ServerOptions.add_flags(p, "SPECDEC_TARGET", port=50052)
         a = p.parse_args(argv)
