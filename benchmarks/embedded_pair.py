@@ -20,7 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.report import DRAFTS  # noqa: E402
 from coordinator.policy import expected_tokens as expected_tokens_per_pass  # noqa: E402
+from draft_service.config import resolve_backend  # noqa: E402
 from specdec import Client  # noqa: E402
 from specdec.launcher import Stack  # noqa: E402
 
@@ -53,10 +55,14 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=5)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--draft-backend", choices=["auto", "transformers", "llama.cpp"], default="auto",
+                   help="the draft worker's backend (auto: what `specdec up` runs)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "embedded_pair"))
     a = p.parse_args()
+    a.draft_backend = resolve_backend(a.draft_backend, "smollm2")
 
-    stack = Stack(log_dir=Path(tempfile.mkdtemp(prefix="specdec-bench-")), args={"draft": ["--backend", "llama.cpp"]})
+    stack = Stack(log_dir=Path(tempfile.mkdtemp(prefix="specdec-bench-")),
+                  args={"draft": ["--backend", a.draft_backend]})
     print("starting the stack ...", file=sys.stderr)
     stack.up()
     runs = []
@@ -93,7 +99,7 @@ def summarize(runs: list[dict], a) -> dict:
             r[kind]["num_tokens"] = len(r[kind].pop("tokens"))
     return {
         "config": {"target": "SmolLM2-135M-Instruct (transformers, fp32, from the Q4_1 GGUF)",
-                   "draft": "SmolLM2-135M-Instruct Q4_1 (llama.cpp)", "k": a.k, "max_new_tokens": a.max_new_tokens,
+                   "draft": DRAFTS[a.draft_backend], "k": a.k, "max_new_tokens": a.max_new_tokens,
                    "prompts": len(CHAT_PROMPTS), "repeats": a.repeats, "greedy": True, "concurrency": 1,
                    "machine": f"{platform.machine()} {platform.processor() or ''} cpus={__import__('os').cpu_count()}"},
         "summary": {
@@ -123,7 +129,7 @@ def write(result: dict, out: Path) -> None:
         "| configuration | tokens/s | speedup | acceptance | tokens per target pass (measured / Leviathan) |",
         "|---|---|---|---|---|",
         f"| target alone (K = 0, same path) | {s['target_alone_tokens_per_s']:.1f} | 1.00x | - | 1.00 |",
-        f"| speculative, llama.cpp draft | {s['speculative_tokens_per_s']:.1f} | {s['speedup']:.2f}x | "
+        f"| speculative, model draft ({c['draft']}) | {s['speculative_tokens_per_s']:.1f} | {s['speedup']:.2f}x | "
         f"{s['acceptance_rate']:.1%} | {s['mean_accepted_length']:.2f} / {s['leviathan_expected_length']:.2f} |",
         "",
         f"Per round: draft {s['ms_per_round']['draft']:.1f} ms, verify {s['ms_per_round']['verify']:.1f} ms, "
