@@ -272,6 +272,11 @@ def cmd_demo(a: argparse.Namespace) -> int:
                   f"({spec['tokens_per_s']:.1f} vs {base['tokens_per_s']:.1f} tokens/s; output length {same}); "
                   f"acceptance {spec['acceptance_rate']:.0%}, {spec['mean_accepted_length']:.2f} tokens per verify round",
                   file=sys.stderr)
+            if spec["tokens_per_s"] < base["tokens_per_s"]:
+                print("(slower than the target alone: where a draft token costs about what a target token does, "
+                      "as with the embedded pair on a CPU (both read the same 4-bit codes), speculation has little "
+                      "to win; a draft several times smaller than its target is what pays. README: \"Why "
+                      "speculation with this draft cannot pay much here\")", file=sys.stderr)
     finally:
         _stop(stack)
     return 0
