@@ -156,8 +156,7 @@ class Verifier:
                  max_queue: int = 64, cores: CoreShare | None = None, prefill_chunk: int = 0,
                  prefill_stall: float = 0.0):
         self.caches = caches
-        self.prefill_chunk = prefill_chunk  # 0: whole prompts in one pass
-        self.prefill = PrefillBudget(prefill_chunk, prefill_stall)
+        self.prefill = PrefillBudget(prefill_chunk, prefill_stall)  # chunk 0: whole prompts in one pass
         self._rounds_last_pass = 0  # rounds the last pass carried besides long prefills
         self.vocab_size = caches.backend.vocab_size
         self.max_context = max_context
@@ -186,19 +185,22 @@ class Verifier:
             if not leased:
                 return results
             prefill = {i: len(tasks[i].committed_ids) - len(seq.token_ids) for i, seq in leased}
-            chunk = self.prefill.tokens() if self.prefill_chunk else 0
+            chunk = self.prefill.tokens() if self.prefill.chunk else 0
             long = [(i, seq) for i, seq in leased if 0 < chunk < prefill[i]]
             leased = [(i, seq) for i, seq in leased if not 0 < chunk < prefill[i]]
             # what this pass takes of long prefills: a chunk beside other sessions' rounds, and in the
             # pass right after one (their calls ended together and they are on their way back: a pass
             # of ALONE_TOKENS, ~350 ms on a CPU, would hold every one of them)
-            rounds = len(leased) or self._rounds_last_pass
-            self._rounds_last_pass = len(leased)
+            own = len(leased)  # this pass's rounds
+            rounds = own or self._rounds_last_pass
+            self._rounds_last_pass = own
             budget = self.prefill.tokens(len(long), rounds) if rounds else max(chunk, ALONE_TOKENS)
+            taken = 0  # tokens of long prefills in this pass, the ones that end in it included
             chunked = []  # (i, seq, tokens this pass): the rest in the next passes, between others' rounds
             for i, seq in long:
                 take = min(budget, prefill[i])
                 budget -= take
+                taken += take
                 if take == prefill[i]:  # the rest fits: its verdict in this pass
                     leased.append((i, seq))
                 elif take:
@@ -221,7 +223,7 @@ class Verifier:
                 self.caches.crop(seq, n + num_accepted)  # rejected drafts never stay cached
                 decided.append((i, num_accepted, next_token, logprobs))
         compute_ms = (time.perf_counter() - started) * 1e3
-        self.prefill.observe(compute_ms, len(leased), sum(take for _, _, take in chunked))
+        self.prefill.observe(compute_ms, own, taken)
         metrics.FORWARD_SECONDS.labels("target").observe(compute_ms / 1e3)
         metrics.VERIFY_BATCH.observe(len(leased) + len(chunked))
         for i, num_accepted, next_token, logprobs in decided:

@@ -158,3 +158,20 @@ def test_the_prefill_budget_grows_with_the_sessions_waiting_for_their_prefill():
     assert budget.tokens(waiting=7, rounds=1) == 70
     assert budget.tokens(waiting=4, rounds=2) == 20
     assert budget.tokens(waiting=100, rounds=1) == ALONE_TOKENS
+
+
+def test_a_pass_is_measured_by_its_rounds_and_all_the_prefill_it_took(model):
+    """What the budget learns from a pass: the sessions' rounds, and every token of long prefills
+    it took, a prompt's last chunk included (a long prompt that ends in the pass is no round)."""
+    a = VerifyTask("a", ids(9, 1), [11], GREEDY)
+    b = VerifyTask("b", ids(20, 2), [12], GREEDY)
+    short = VerifyTask("short", ids(6, 3), [5], GREEDY)
+    verifier = Verifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024,
+                        prefill_chunk=4, prefill_stall=2.0)
+    verifier.prefill.observe(20.0, rounds=1, prefill=0)
+    verifier.prefill.observe(40.0, rounds=1, prefill=8)  # 8 tokens beside one round, 16 with two waiting
+    seen = []
+    verifier.prefill.observe = lambda ms, rounds, prefill: seen.append((rounds, prefill))
+    results = verifier._verify_batch([a, b, short])
+    assert isinstance(results[0], VerifyResult) and results[0].prefill_tokens == 9  # a's 9 fit
+    assert seen == [(1, 9 + 7)]  # b took the other 7; one round: short's
