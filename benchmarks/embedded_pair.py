@@ -20,9 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import DRAFTS  # noqa: E402
 from coordinator.policy import expected_tokens as expected_tokens_per_pass  # noqa: E402
 from draft_service.config import resolve_backend  # noqa: E402
+from report import DRAFTS  # noqa: E402 - this script's folder is on the path, as for run.py
 from specdec import Client  # noqa: E402
 from specdec.launcher import Stack  # noqa: E402
 

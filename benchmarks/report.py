@@ -165,8 +165,8 @@ def policy_summary(rows: list[dict], sets: list[str], top: int) -> dict:
             if policy and fixed:
                 vs_best[f"{prompt_set}_c{c}"] = policy / max(fixed)
                 vs_k0[f"{prompt_set}_c{c}"] = ratio(policy, k0)
-            if ratio(tps(rows, "main", prompt_set, AGAIN, c), k0):
-                again[f"{prompt_set}_c{c}"] = ratio(tps(rows, "main", prompt_set, AGAIN, c), k0)
+            if (k0_again := ratio(tps(rows, "main", prompt_set, AGAIN, c), k0)) is not None:
+                again[f"{prompt_set}_c{c}"] = k0_again
     chat_top = [r for r in rows if (r["layout"], r["prompt_set"], r["concurrency"]) == ("main", "chat", top)
                 and r["config"] in (DEFAULT, *FIXED)]
     best = max(chat_top, key=lambda r: r["stats"]["tokens_per_s"] or 0, default=None)

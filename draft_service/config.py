@@ -81,16 +81,16 @@ class DraftConfig:
         a = p.parse_args(argv)
         return cls(server=ServerOptions.from_args(a), model=a.model, backend=a.backend, dtype=a.dtype,
                    device=a.device, quantize_inputs=a.quantize_inputs, max_cache_tokens=a.max_cache_tokens,
-                   max_sessions=a.max_sessions, context_tokens=a.context_tokens, sparse_top=a.sparse_top, max_queue=a.max_queue,
-                   threads=a.threads, prefill_chunk=a.prefill_chunk, kv_store=KVStoreOptions.from_args(a))
+                   max_sessions=a.max_sessions, context_tokens=a.context_tokens, sparse_top=a.sparse_top,
+                   max_queue=a.max_queue, threads=a.threads, prefill_chunk=a.prefill_chunk, kv_store=KVStoreOptions.from_args(a))
 
 
 def resolve_backend(backend: str, model: str, device: str = "cpu", quantize_inputs: bool = True) -> str:
     """The backend `auto` stands for: for a .gguf model on a CPU with the int8-input kernel (AVX-512
     VNNI), transformers with --quantize-inputs (this project's engine in llama.cpp's arithmetic: on the
     embedded default, one thread, a draft step of one session 9.4 ms against llama.cpp's 11.1 and of 8
-    sessions 20.5 against 61.2, benchmarks/results/int8_draft.md); else llama.cpp for a .gguf when llama-cpp-python is installed;
-    else transformers."""
+    sessions 20.5 against 61.2, benchmarks/results/int8_draft.md); else llama.cpp for a .gguf when
+    llama-cpp-python is installed; else transformers."""
     if backend != "auto":
         return backend
     from specdec_core import cpu_quantized
