@@ -234,11 +234,12 @@ def test_switching_method_and_k_mid_request_is_lossless(tiny_stack, hf_greedy, m
     request switches many times whatever the timing (which choice the policy makes is
     tests/coordinator/test_policy.py's). A coordinator in this process, on the stack's workers and
     Redis; eight sessions at once, overlap on: bets are made, won and dropped by switches."""
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor, wait
 
     from coordinator.__main__ import worker_pools
     from coordinator.config import CoordinatorConfig
     from coordinator.generation import Generation, GenerationRequest, Limits
+    from coordinator.loop import Speculator
     from coordinator.ngram import NgramProposer
     from coordinator.policy import MODEL, NGRAM, NONE, Choice, SpeculationPolicy
     from coordinator.sessions import SessionStore
@@ -256,7 +257,15 @@ def test_switching_method_and_k_mid_request_is_lossless(tiny_stack, hf_greedy, m
             return Choice(NGRAM, min(4, max_k), stand_in=True)
         return Choice(choice.method, min(choice.k, max_k))
 
+    def settled(self) -> bool:  # a warm-up ends before the next choice, however busy the machine: a
+        # script rotating every round would otherwise cancel each one before it finished (CI: no model round in 40)
+        if self._warmup is not None:
+            wait([self._warmup.proposal], timeout=60)
+        return warming_up(self)
+
+    warming_up = Speculator.warming_up.fget
     monkeypatch.setattr(SpeculationPolicy, "choose", scripted)
+    monkeypatch.setattr(Speculator, "warming_up", property(settled))
     cfg = CoordinatorConfig.from_args(["--redis-url", tiny_stack.redis_url, "--target", tiny_stack.address("target"),
                                        "--draft", tiny_stack.address("draft")])
     routes: dict = {}
