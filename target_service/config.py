@@ -26,7 +26,7 @@ class TargetConfig:
     threads: int = 0
     solo_threads: int = 0
     prefill_chunk: int = 16
-    prefill_stall: float = 2.0
+    prefill_stall: float = 1.6
     kv_store: KVStoreOptions = KVStoreOptions()
 
     def __post_init__(self):
@@ -85,15 +85,17 @@ class TargetConfig:
         p.add_argument("--prefill-chunk", type=int,
                        default=int(env("SPECDEC_TARGET_PREFILL_CHUNK", cls.prefill_chunk)),
                        help="long prompts are prefilled in chunks between the other sessions' rounds, so that "
-                            "they do not stall them: at least this many tokens per such pass (all of them "
-                            "together), more where --prefill-stall allows; a pass of prefills alone takes up to "
+                            "they do not stall them: prompts up to this long are never split, and a pass takes "
+                            "at least this many tokens of long prefills (all of them together) where as many "
+                            "sessions wait for their prefill as decode; a pass while none decode takes up to "
                             "256 (0: whole prompts in one pass)")
         p.add_argument("--prefill-stall", type=float,
                        default=float(env("SPECDEC_TARGET_PREFILL_STALL", cls.prefill_stall)),
-                       help="raise the chunk to as many tokens as keep a pass beside other sessions' rounds "
-                            "within this many times their pass alone, by the measured cost of a pass and of a "
-                            "prompt token (a GPU: up to 256; this CPU: --prefill-chunk rules; 0: always "
-                            "--prefill-chunk)")
+                       help="a pass beside decoding sessions takes as many prompt tokens as keep it within this "
+                            "many times their pass alone, by the measured cost of their pass and of a prompt "
+                            "token, more in proportion where more wait than decode (this CPU: 3-6 tokens beside "
+                            "4 sessions; a GPU: up to 256). Lower: steadier decoding, slower prefills; 0: always "
+                            "--prefill-chunk")
         KVStoreOptions.add_flags(p, "SPECDEC_TARGET")
         ServerOptions.add_flags(p, "SPECDEC_TARGET", port=50052)
         a = p.parse_args(argv)

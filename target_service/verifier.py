@@ -9,14 +9,13 @@ model in one batched pass (each with its own cache length and K) when the backen
 
 A long prefill goes through in chunks, between the other sessions' rounds (chunked prefill, as vLLM
 and SGLang do): without it, a session that sends a 2,000-token prompt stalls every session decoding
-beside it for the whole prefill. A pass beside other sessions' rounds takes at least
-`prefill_chunk` (16) tokens of long prefills, all of them together, and more where its measured
-costs keep it within `prefill_stall` (2) times the rounds' own pass (`PrefillBudget`); so does the
-pass right after one (the other sessions' calls end together and come back within milliseconds); a
-later pass of long prefills alone takes up to ALONE_TOKENS (nothing waits on it but what arrives
-meanwhile). A chunk of 16 keeps a pass beside 4 decoding sessions on this CPU within ~2.5 times
-their pass (17 -> ~45 ms): the mixed-load benchmark's chat ITL p99 at 1.8-2.4x its value without
-the long prompts."""
+beside it for the whole prefill. While sessions decode (a round in the last `decoding_s`), a pass takes
+as many tokens of long prefills, all of them together, as keep it within `prefill_stall` (1.6) times
+what their rounds cost alone, by measured costs (`PrefillBudget`), more in proportion where more
+sessions wait than decode, and at least `prefill_chunk` (16) where as many wait as decode; a pass
+while none decode takes ALONE_TOKENS. On this CPU that is 3-6 tokens beside 4 decoding sessions
+(~14 ms, a prompt token ~2.4 ms): the mixed-load benchmark's chat ITL p99 at 1.2-1.7x its value
+without the long prompts (2.1-2.5x with a fixed 16), grounded c8 5-10% slower."""
 
 from __future__ import annotations
 
@@ -49,45 +48,72 @@ from target_service.acceptance import verify_greedy, verify_sampled
 ALONE_TOKENS = 256  # a pass of long prefills alone takes this many prompt tokens (or --prefill-chunk, if more)
 
 
+class PassCost:
+    """What a pass of rounds costs by its tokens: a fixed part (the weights read once) plus a part per
+    token (its rows' arithmetic), fitted by least squares over recent passes (exponentially weighted
+    moments). Until passes of different sizes have been seen (a spread of `min_spread` tokens) it is
+    their mean; a later stretch of passes all one size keeps the last slope rather than one fitted to
+    noise."""
+
+    def __init__(self, weight: float = 0.05, min_spread: float = 2.0):
+        self.weight, self.min_var = weight, min_spread ** 2
+        self._moments: list[float] | None = None  # E[x], E[y], E[x^2], E[xy]
+        self.token_ms = 0.0
+
+    def observe(self, tokens: int, ms: float) -> None:
+        x = [tokens, ms, tokens * tokens, tokens * ms]
+        m = self._moments = x if self._moments is None else [a + self.weight * (b - a) for a, b in zip(self._moments, x)]
+        var = m[2] - m[0] * m[0]
+        if var >= self.min_var:
+            self.token_ms = max((m[3] - m[0] * m[1]) / var, 0.0)
+
+    def ms(self, tokens: int) -> float | None:
+        if self._moments is None:
+            return None
+        mean_tokens, mean_ms = self._moments[:2]
+        return max(mean_ms + self.token_ms * (tokens - mean_tokens), 0.0)
+
+
 class PrefillBudget:
-    """How many tokens of long prefills a pass beside other sessions' rounds takes: at least `chunk`,
-    and more where the measured costs allow it: as many as keep the pass within `stall` times what
-    the rounds alone cost, from two moving averages over recent passes (the ms of a pass of rounds
-    alone, and the ms a prompt token adds to a pass of rounds). Where more sessions wait for their
-    prefill than there are rounds in the pass, the allowance grows in proportion: a small chunk would
-    stall the waiting sessions far longer than a larger one stalls the decoding few.
+    """How many tokens of long prefills a pass beside other sessions' rounds takes: as many as keep
+    the pass within `stall` times what the rounds alone cost, from what passes of rounds alone cost
+    by their tokens (`PassCost`) and a moving average of what a prompt token adds to such a pass; in
+    proportion more where more sessions wait for their prefill than there are rounds in the pass (a
+    small chunk would stall the waiting sessions far longer than a larger one stalls the decoding
+    few); never more than ALONE_TOKENS, and at least `chunk` where as many wait as decode.
 
-    On this CPU a prompt token adds ~1.8 ms to a ~17 ms pass of 4 decoding sessions: the stall
-    alone would allow ~9 tokens, and `chunk` (16) rules. That lowered the mixed-load chat ITL p99
-    (44 -> 36-39 ms) but took 9-25% off grounded c8 throughput (8 prompts arriving at once, one or
-    two decoding while the rest prefill 5 tokens a pass), so the stall only ever raises the chunk:
-    on a GPU, where a pass of 100 tokens costs about what a pass of 4 does, to ALONE_TOKENS, and
-    here when seven prompts wait beside one decoding session. `stall` 0: always `chunk`."""
+    On this CPU a pass of 4 decoding sessions costs ~14 ms and a prompt token adds ~2.4 ms: a stall of
+    1.6 allows 3-4 tokens a pass beside them; seven prompts waiting beside one decoding session
+    (~10 ms) take ~17. On a GPU, where a pass of 100 tokens costs about what a pass of 4 does, the
+    chunk is ALONE_TOKENS. `stall` 0: always `chunk`."""
 
-    def __init__(self, chunk: int, stall: float = 2.0, weight: float = 0.2):
+    def __init__(self, chunk: int, stall: float = 1.6, weight: float = 0.2):
         self.chunk, self.stall, self.weight = chunk, stall, weight
-        self.rounds_ms: float | None = None
+        self.rounds = PassCost()
         self.token_ms: float | None = None
 
-    def observe(self, ms: float, rounds: int, prefill: int) -> None:
-        """A pass took `ms` for `rounds` sessions' rounds and `prefill` tokens of long prefills."""
+    def observe(self, ms: float, rounds: int, round_tokens: int, prefill: int) -> None:
+        """A pass took `ms` for `rounds` sessions' rounds (`round_tokens` tokens) and `prefill`
+        tokens of long prefills."""
         if not rounds:  # prefills alone say nothing about what the rounds pay
             return
         if not prefill:
-            self.rounds_ms = self._average(self.rounds_ms, ms)
-        elif self.rounds_ms is not None:
-            self.token_ms = self._average(self.token_ms, max(ms - self.rounds_ms, 0.0) / prefill)
+            self.rounds.observe(round_tokens, ms)
+        elif (alone := self.rounds.ms(round_tokens)) is not None:
+            x = max(ms - alone, 0.0) / prefill
+            self.token_ms = x if self.token_ms is None else self.token_ms + self.weight * (x - self.token_ms)
 
-    def tokens(self, waiting: int = 1, rounds: int = 1) -> int:
-        """The chunk for a pass of `rounds` sessions' rounds while `waiting` sessions wait for their prefill."""
-        if not self.stall or self.rounds_ms is None or self.token_ms is None:
+    def tokens(self, waiting: int = 1, rounds: int = 1, round_tokens: int | None = None) -> int:
+        """The chunk for a pass of `rounds` sessions' rounds (`round_tokens` tokens, default one
+        each) while `waiting` sessions wait for their prefill."""
+        alone = self.rounds.ms(rounds if round_tokens is None else round_tokens)
+        if not self.stall or alone is None or self.token_ms is None:
             return self.chunk
-        allowed = (self.stall - 1) * self.rounds_ms * max(1.0, waiting / max(rounds, 1))
+        share = waiting / max(rounds, 1)
+        floor = self.chunk if share >= 1 else 1
+        allowed = (self.stall - 1) * alone * max(1.0, share)
         tokens = int(allowed / self.token_ms) if self.token_ms > 0 else ALONE_TOKENS
-        return max(self.chunk, min(ALONE_TOKENS, tokens))
-
-    def _average(self, mean: float | None, x: float) -> float:
-        return x if mean is None else mean + self.weight * (x - mean)
+        return max(floor, min(ALONE_TOKENS, tokens))
 
 
 @dataclass(frozen=True)
@@ -154,10 +180,11 @@ class CoreShare:
 class Verifier:
     def __init__(self, caches: SessionCaches, max_context: int, window_s: float = 0.001, max_batch: int = 32,
                  max_queue: int = 64, cores: CoreShare | None = None, prefill_chunk: int = 0,
-                 prefill_stall: float = 0.0):
+                 prefill_stall: float = 0.0, decoding_s: float = 0.25, clock: Callable[[], float] = time.monotonic):
         self.caches = caches
         self.prefill = PrefillBudget(prefill_chunk, prefill_stall)  # chunk 0: whole prompts in one pass
-        self._rounds_last_pass = 0  # rounds the last pass carried besides long prefills
+        self.decoding_s, self.clock = decoding_s, clock
+        self._decoding: dict[str, float] = {}  # session -> when a pass last carried its round
         self.vocab_size = caches.backend.vocab_size
         self.max_context = max_context
         self.cores = cores
@@ -185,16 +212,15 @@ class Verifier:
             if not leased:
                 return results
             prefill = {i: len(tasks[i].committed_ids) - len(seq.token_ids) for i, seq in leased}
-            chunk = self.prefill.tokens() if self.prefill.chunk else 0
+            chunk = max(self.prefill.chunk, self.prefill.tokens()) if self.prefill.chunk else 0  # none shorter is split
             long = [(i, seq) for i, seq in leased if 0 < chunk < prefill[i]]
             leased = [(i, seq) for i, seq in leased if not 0 < chunk < prefill[i]]
-            # what this pass takes of long prefills: a chunk beside other sessions' rounds, and in the
-            # pass right after one (their calls ended together and they are on their way back: a pass
-            # of ALONE_TOKENS, ~350 ms on a CPU, would hold every one of them)
-            own = len(leased)  # this pass's rounds
-            rounds = own or self._rounds_last_pass
-            self._rounds_last_pass = own
-            budget = self.prefill.tokens(len(long), rounds) if rounds else max(chunk, ALONE_TOKENS)
+            # what this pass takes of long prefills: a chunk while sessions decode (had a round in the
+            # last `decoding_s`: the others' next calls are on their way, and a pass of ALONE_TOKENS,
+            # ~350 ms on a CPU, would hold every one of them), else ALONE_TOKENS
+            own = len(leased), sum(prefill[i] + len(tasks[i].draft_ids) for i, _ in leased)  # rounds, tokens
+            rounds = self._decoding_now([tasks[i].session_id for i, _ in leased], {tasks[i].session_id for i, _ in long})
+            budget = self.prefill.tokens(len(long), rounds, own[1] + rounds - own[0]) if rounds else max(chunk, ALONE_TOKENS)
             taken = 0  # tokens of long prefills in this pass, the ones that end in it included
             chunked = []  # (i, seq, tokens this pass): the rest in the next passes, between others' rounds
             for i, seq in long:
@@ -223,7 +249,7 @@ class Verifier:
                 self.caches.crop(seq, n + num_accepted)  # rejected drafts never stay cached
                 decided.append((i, num_accepted, next_token, logprobs))
         compute_ms = (time.perf_counter() - started) * 1e3
-        self.prefill.observe(compute_ms, own, taken)
+        self.prefill.observe(compute_ms, own[0], own[1], taken)
         metrics.FORWARD_SECONDS.labels("target").observe(compute_ms / 1e3)
         metrics.VERIFY_BATCH.observe(len(leased) + len(chunked))
         for i, num_accepted, next_token, logprobs in decided:
@@ -231,6 +257,17 @@ class Verifier:
                                   logprobs, batch_tokens, threads, batch_prefill, pass_tokens=batch_tokens)
             results[i] = self._next_step(tasks[i], result if tasks[i].so_far is None else tasks[i].so_far.then(result))
         return self._end_together(tasks, results)
+
+    def _decoding_now(self, rounds: list[str], waiting: set[str]) -> int:
+        """Sessions decoding: those with a round in this pass or in the last `decoding_s`, less those
+        now waiting for a long prefill of their own. A pass's own rounds undercount them: the others
+        may be between calls, or their calls a pass behind."""
+        now = self.clock()
+        self._decoding.update((session, now) for session in rounds)
+        for session, seen in list(self._decoding.items()):
+            if now - seen > self.decoding_s or session in waiting:
+                del self._decoding[session]
+        return len(self._decoding)
 
     @staticmethod
     def _end_together(tasks: list[VerifyTask], results: list) -> list:

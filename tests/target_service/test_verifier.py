@@ -12,7 +12,7 @@ from specdec_core.errors import ResourceExhausted
 from specdec_core.kvcache import SessionCaches
 from specdec_core.logs import short_id
 from specdec_core.sampling import SamplingConfig
-from target_service.verifier import ALONE_TOKENS, CoreShare, PrefillBudget, Verifier, VerifyResult, VerifyTask
+from target_service.verifier import ALONE_TOKENS, CoreShare, PassCost, PrefillBudget, Verifier, VerifyResult, VerifyTask
 from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.capacity
@@ -74,22 +74,26 @@ def test_core_share_gives_the_target_every_core_while_no_draft_worker_drafts():
 def test_a_long_prefill_goes_through_in_chunks_between_the_other_sessions_rounds(model):
     """Chunked prefill: beside a short session's verify, a pass takes 64 tokens of long prompts, all
     of them together (the first 64 of the first; the second waits); the short session is answered at
-    once, not after the prefills; the pass right after one with other rounds takes 64 too (those sessions are
-    on their way back), later passes of the prefills alone 256 (ALONE_TOKENS); and each long session's
-    verdict, when it comes, is the one an unchunked pass gives."""
+    once, not after the prefills; a pass without its round while it still decodes (a round in the last
+    `decoding_s`: its next call is on its way) takes 64 too, later passes of the prefills alone 256
+    (ALONE_TOKENS); and each long session's verdict, when it comes, is the one an unchunked pass gives."""
     from specdec_core.batching import AGAIN
 
     long = VerifyTask("long", ids(1000, 7), [11, 12, 13], GREEDY)
     other = VerifyTask("other", ids(300, 9), [4], GREEDY)
     short = VerifyTask("short", ids(9, 8), [5], GREEDY)
-    verifier = Verifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024, prefill_chunk=64)
+    now = [0.0]
+    verifier = Verifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024, prefill_chunk=64,
+                        decoding_s=0.25, clock=lambda: now[0])
     first = verifier._verify_batch([long, other, short])
     assert first[:2] == [AGAIN, AGAIN] and isinstance(first[2], VerifyResult)
     assert first[2].batch_tokens == 64 + 9 + 1 and first[2].batch_prefill_tokens == 64 + 9
+    now[0] = 0.2  # short still decoding
     passes = [verifier._verify_batch([long, other])]
+    now[0] = 0.5  # no longer
     while AGAIN in passes[-1]:
         passes.append(verifier._verify_batch([t for t, r in zip((long, other), passes[-1]) if r is AGAIN]))
-    # alone: 64 tokens in the pass right after the short session's, then 256 per pass: long's 872 left in
+    # alone: 64 tokens in the pass while short still decodes, then 256 per pass: long's 872 left in
     # four (its verdict then, beside other's first 152), then other's remaining 148
     assert ALONE_TOKENS == 256
     assert [[isinstance(r, VerifyResult) for r in p] for p in passes] == [[False, False]] * 4 + [[True, False], [True]]
@@ -100,36 +104,58 @@ def test_a_long_prefill_goes_through_in_chunks_between_the_other_sessions_rounds
         assert (result.num_accepted, result.next_token_id) == (alone.num_accepted, alone.next_token_id)
 
 
+def rounds_alone(budget: PrefillBudget, fixed: float, per_token: float, sizes=(4, 12)) -> None:
+    """Passes of rounds alone of each size in turn, each costing fixed + per_token a token."""
+    for _ in range(30):
+        for n in sizes:
+            budget.observe(fixed + per_token * n, rounds=n, round_tokens=n, prefill=0)
+
+
+def test_a_pass_of_rounds_costs_a_fixed_part_plus_a_part_per_token():
+    """PassCost: nothing before a pass; the mean of passes all one size; the line through passes of
+    different sizes; and a later stretch of one size moves the level, not the slope."""
+    cost = PassCost()
+    assert cost.ms(4) is None
+    for _ in range(5):
+        cost.observe(4, 14.0)
+    assert cost.ms(4) == cost.ms(20) == pytest.approx(14.0)  # one size: no slope to go by
+    for _ in range(40):
+        cost.observe(4, 14.0)
+        cost.observe(12, 22.0)
+    assert cost.ms(4) == pytest.approx(14.0) and cost.ms(20) == pytest.approx(30.0)  # 10 ms + 1 ms a token
+    for _ in range(300):
+        cost.observe(8, 20.0)  # slower now, all one size
+    assert cost.ms(8) == pytest.approx(20.0) and cost.ms(18) == pytest.approx(30.0, abs=0.2)  # the slope kept
+
+
 def test_the_prefill_budget_keeps_a_pass_within_its_stall_by_measured_costs():
-    """The chunk beside other sessions' rounds: `chunk` until a pass of rounds alone and a pass with
-    prefill tokens have been measured, then as many tokens as cost (stall - 1) times the rounds'
-    pass, never fewer than `chunk`: few where a token costs a lot beside them (a CPU), up to
-    ALONE_TOKENS where it costs nearly nothing (a GPU); passes of prefills alone change nothing;
-    stall 0 is a fixed chunk."""
-    cpu = PrefillBudget(4, stall=2.0)
-    cpu.observe(300.0, rounds=0, prefill=256)  # prefills alone: no measure of the rounds'
-    assert cpu.tokens() == 4
-    cpu.observe(18.0, rounds=4, prefill=0)
-    assert cpu.tokens() == 4  # a prompt token's cost not yet measured
-    cpu.observe(36.0, rounds=4, prefill=10)  # 1.8 ms a token beside a pass of 18 ms
-    assert cpu.tokens() == 10
-    slower = PrefillBudget(4, stall=1.5)
-    slower.observe(18.0, rounds=4, prefill=0)
-    slower.observe(36.0, rounds=4, prefill=10)
-    assert slower.tokens() == 5
-    floor = PrefillBudget(16, stall=2.0)
-    floor.observe(18.0, rounds=4, prefill=0)
-    floor.observe(36.0, rounds=4, prefill=10)
-    assert floor.tokens() == 16
+    """The chunk beside other sessions' rounds: `chunk` until passes of rounds alone and a pass with
+    prefill tokens have been measured, then as many tokens as cost (stall - 1) times what the pass's
+    rounds cost alone (by their tokens: 4 decoding sessions cost less than 8): few where a token costs
+    a lot beside them (a CPU), ALONE_TOKENS where it costs nearly nothing (a GPU); passes of prefills
+    alone change nothing; stall 0 is a fixed chunk; `chunk` is no floor while no more wait than decode."""
+    cpu = PrefillBudget(16, stall=2.0)
+    cpu.observe(300.0, rounds=0, round_tokens=0, prefill=256)  # prefills alone: no measure of the rounds'
+    assert cpu.tokens() == 16
+    rounds_alone(cpu, fixed=10.0, per_token=1.0)  # 4 sessions 14 ms, 12 sessions 22 ms
+    assert cpu.tokens() == 16  # a prompt token's cost not yet measured
+    cpu.observe(14.0 + 10 * 2.5, rounds=4, round_tokens=4, prefill=10)  # 2.5 ms a token beside 4 sessions
+    assert cpu.tokens(waiting=1, rounds=4, round_tokens=4) == 5  # 14 ms of stall: 5.6 tokens
+    assert cpu.tokens(waiting=1, rounds=8, round_tokens=8) == 7  # 18 ms: 7.2
+    assert cpu.tokens(waiting=1, rounds=4, round_tokens=24) == 13  # K = 5 rounds, 34 ms: 13.6
+    slower = PrefillBudget(16, stall=1.5)
+    rounds_alone(slower, fixed=10.0, per_token=1.0)
+    slower.observe(39.0, rounds=4, round_tokens=4, prefill=10)
+    assert slower.tokens(waiting=1, rounds=4, round_tokens=4) == 2  # 7 ms: 2.8
     gpu = PrefillBudget(16, stall=2.0)
-    gpu.observe(10.0, rounds=4, prefill=0)
-    gpu.observe(10.5, rounds=4, prefill=16)
+    rounds_alone(gpu, fixed=10.0, per_token=0.01)
+    gpu.observe(10.2, rounds=4, round_tokens=4, prefill=16)
     assert gpu.tokens() == ALONE_TOKENS
-    gpu.observe(9.0, rounds=4, prefill=16)  # faster than the rounds alone (noise): costs nothing
+    gpu.observe(9.0, rounds=4, round_tokens=4, prefill=16)  # faster than the rounds alone (noise): costs nothing
     assert gpu.tokens() == ALONE_TOKENS
     fixed = PrefillBudget(16, stall=0)
-    fixed.observe(18.0, rounds=4, prefill=0)
-    fixed.observe(90.0, rounds=4, prefill=16)
+    rounds_alone(fixed, fixed=10.0, per_token=1.0)
+    fixed.observe(90.0, rounds=4, round_tokens=4, prefill=16)
     assert fixed.tokens() == 16
 
 
@@ -139,24 +165,28 @@ def test_a_verifier_chunks_by_what_its_prefill_budget_measured(model):
 
     long = VerifyTask("long", ids(500, 7), [11], GREEDY)
     short = VerifyTask("short", ids(6, 8), [5], GREEDY)
+    other = VerifyTask("other", ids(6, 9), [5], GREEDY)
     verifier = Verifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024,
-                        prefill_chunk=4, prefill_stall=2.0)
-    verifier.prefill.observe(20.0, rounds=1, prefill=0)
-    verifier.prefill.observe(40.0, rounds=1, prefill=8)  # 2.5 ms a token: 8 tokens keep the pass within 2x
-    first = verifier._verify_batch([long, short])
-    assert first[0] is AGAIN and first[1].batch_tokens == 8 + 6 + 1
+                        prefill_chunk=16, prefill_stall=2.0)
+    rounds_alone(verifier.prefill, fixed=10.0, per_token=1.0, sizes=(2, 12))
+    verifier.prefill.observe(12.0 + 8 * 2.5, rounds=1, round_tokens=2, prefill=8)  # 2.5 ms a token
+    first = verifier._verify_batch([long, short, other])  # two rounds of 7 tokens, 24 ms: 9.6 tokens within 2x
+    assert first[0] is AGAIN and first[1].batch_tokens == 9 + 7 + 7
 
 
 def test_the_prefill_budget_grows_with_the_sessions_waiting_for_their_prefill():
     """Seven prompts waiting beside one decoding session get seven times the allowance of one
-    waiting beside it (a small chunk would hold seven sessions to stall one less), never less
-    than one waiting; never more than ALONE_TOKENS."""
-    budget = PrefillBudget(4, stall=2.0)
-    budget.observe(18.0, rounds=1, prefill=0)
-    budget.observe(36.0, rounds=1, prefill=10)
-    assert budget.tokens(waiting=1, rounds=1) == budget.tokens(waiting=1, rounds=8) == 10
-    assert budget.tokens(waiting=7, rounds=1) == 70
-    assert budget.tokens(waiting=4, rounds=2) == 20
+    waiting beside it (a small chunk would hold seven sessions to stall one less), and at least
+    `chunk` where as many wait as decode; never more than ALONE_TOKENS."""
+    budget = PrefillBudget(16, stall=2.0)
+    rounds_alone(budget, fixed=10.0, per_token=1.0, sizes=(1, 8))
+    budget.observe(11.0 + 10 * 1.25, rounds=1, round_tokens=1, prefill=10)  # 1.25 ms a token beside one round
+    assert budget.tokens(waiting=7, rounds=1) == 61  # 77 ms
+    assert budget.tokens(waiting=2, rounds=1) == 17  # 22 ms
+    assert budget.tokens(waiting=1, rounds=8, round_tokens=8) == 14  # 18 ms
+    assert budget.tokens(waiting=2, rounds=4, round_tokens=4) == 11  # fewer waiting than decoding: no floor
+    assert budget.tokens(waiting=4, rounds=4, round_tokens=4) == 16  # as many: the floor (11.2 by the stall)
+    assert budget.tokens(waiting=1, rounds=1) == 16  # (8.8)
     assert budget.tokens(waiting=100, rounds=1) == ALONE_TOKENS
 
 
@@ -167,11 +197,33 @@ def test_a_pass_is_measured_by_its_rounds_and_all_the_prefill_it_took(model):
     b = VerifyTask("b", ids(20, 2), [12], GREEDY)
     short = VerifyTask("short", ids(6, 3), [5], GREEDY)
     verifier = Verifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024,
-                        prefill_chunk=4, prefill_stall=2.0)
-    verifier.prefill.observe(20.0, rounds=1, prefill=0)
-    verifier.prefill.observe(40.0, rounds=1, prefill=8)  # 8 tokens beside one round, 16 with two waiting
+                        prefill_chunk=8, prefill_stall=2.0)
+    rounds_alone(verifier.prefill, fixed=13.0, per_token=1.0, sizes=(2, 12))
+    verifier.prefill.observe(15.0 + 2 * 2.4, rounds=1, round_tokens=2, prefill=2)  # beside short's round (20 ms), 16 with two waiting
     seen = []
-    verifier.prefill.observe = lambda ms, rounds, prefill: seen.append((rounds, prefill))
+    verifier.prefill.observe = lambda ms, rounds, round_tokens, prefill: seen.append((rounds, round_tokens, prefill))
     results = verifier._verify_batch([a, b, short])
     assert isinstance(results[0], VerifyResult) and results[0].prefill_tokens == 9  # a's 9 fit
-    assert seen == [(1, 9 + 7)]  # b took the other 7; one round: short's
+    assert seen == [(1, 7, 9 + 7)]  # b took the other 7; one round: short's, its 6 tokens and a draft
+
+
+def test_sessions_between_calls_still_count_as_decoding(model):
+    """A pass carrying one round while three more sessions decoded 0.1 s ago budgets for four
+    decoding (their next calls are on their way): fewer wait than decode, so the stall sizes the
+    chunk, not the floor; 0.5 s later only this pass's round counts, and the floor is back."""
+    from specdec_core.batching import AGAIN
+
+    now = [0.0]
+    verifier = Verifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024,
+                        prefill_chunk=16, prefill_stall=2.0, decoding_s=0.25, clock=lambda: now[0])
+    short = [VerifyTask(f"s{n}", ids(6, 10 + n), [5], GREEDY) for n in range(6)]
+    verifier._verify_batch(short[:4])
+    rounds_alone(verifier.prefill, fixed=10.0, per_token=1.0, sizes=(2, 12))  # costs as a CPU's, not the tiny model's
+    verifier.prefill.observe(12.0 + 8 * 2.5, rounds=1, round_tokens=2, prefill=8)  # 2.5 ms a token
+    long = VerifyTask("long", ids(500, 7), [11], GREEDY)
+    now[0] = 0.1
+    beside_four = verifier._verify_batch([long, short[4]])  # 5 decoding, 11 tokens, 21 ms: 8.4 tokens within 2x
+    assert beside_four[0] is AGAIN and beside_four[1].batch_tokens == 8 + 7
+    now[0] = 0.5
+    beside_one = verifier._verify_batch([long, short[5]])  # as many waiting as decoding: the floor
+    assert beside_one[0] is AGAIN and beside_one[1].batch_tokens == 16 + 7
