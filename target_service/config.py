@@ -85,8 +85,9 @@ class TargetConfig:
         p.add_argument("--prefill-chunk", type=int,
                        default=int(env("SPECDEC_TARGET_PREFILL_CHUNK", cls.prefill_chunk)),
                        help="long prompts are prefilled in chunks between the other sessions' rounds, so that "
-                            "they do not stall them: prompts up to this long are never split, and a pass takes "
-                            "at least this many tokens of long prefills (all of them together) where as many "
+                            "they do not stall them: prompts no longer than this (or than what a pass beside them "
+                            "would take) are never split, and a pass takes at least this many tokens of long "
+                            "prefills (all of them together) where as many "
                             "sessions wait for their prefill as decode; a pass while none decode takes up to "
                             "256 (0: whole prompts in one pass)")
         p.add_argument("--prefill-stall", type=float,

@@ -46,6 +46,7 @@ from specdec_core.sampling import (
 from target_service.acceptance import verify_greedy, verify_sampled
 
 ALONE_TOKENS = 256  # a pass of long prefills alone takes this many prompt tokens (or --prefill-chunk, if more)
+DECODING_S = 0.25  # a session with a round this recently is decoding: its next call is on its way
 
 
 class PassCost:
@@ -64,7 +65,7 @@ class PassCost:
         x = [tokens, ms, tokens * tokens, tokens * ms]
         m = self._moments = x if self._moments is None else [a + self.weight * (b - a) for a, b in zip(self._moments, x)]
         var = m[2] - m[0] * m[0]
-        if var >= self.min_var:
+        if var > 0 and var >= self.min_var:
             self.token_ms = max((m[3] - m[0] * m[1]) / var, 0.0)
 
     def ms(self, tokens: int) -> float | None:
@@ -80,7 +81,8 @@ class PrefillBudget:
     by their tokens (`PassCost`) and a moving average of what a prompt token adds to such a pass; in
     proportion more where more sessions wait for their prefill than there are rounds in the pass (a
     small chunk would stall the waiting sessions far longer than a larger one stalls the decoding
-    few); never more than ALONE_TOKENS, and at least `chunk` where as many wait as decode.
+    few); never more than ALONE_TOKENS (unless `chunk` is more), and at least `chunk` where as many
+    wait as decode.
 
     On this CPU a pass of 4 decoding sessions costs ~14 ms and a prompt token adds ~2.4 ms: a stall of
     1.6 allows 3-4 tokens a pass beside them; seven prompts waiting beside one decoding session
@@ -112,7 +114,9 @@ class PrefillBudget:
         share = waiting / max(rounds, 1)
         floor = self.chunk if share >= 1 else 1
         allowed = (self.stall - 1) * alone * max(1.0, share)
-        tokens = int(allowed / self.token_ms) if self.token_ms > 0 else ALONE_TOKENS
+        per_token = max(self.token_ms, self.rounds.token_ms)  # no cheaper than a round's token (one fast
+        # pass, the first measured, would make prompt tokens free and the next pass take ALONE_TOKENS)
+        tokens = int(allowed / per_token) if per_token > 0 else ALONE_TOKENS
         return max(floor, min(ALONE_TOKENS, tokens))
 
 
@@ -180,7 +184,7 @@ class CoreShare:
 class Verifier:
     def __init__(self, caches: SessionCaches, max_context: int, window_s: float = 0.001, max_batch: int = 32,
                  max_queue: int = 64, cores: CoreShare | None = None, prefill_chunk: int = 0,
-                 prefill_stall: float = 0.0, decoding_s: float = 0.25, clock: Callable[[], float] = time.monotonic):
+                 prefill_stall: float = 0.0, decoding_s: float = DECODING_S, clock: Callable[[], float] = time.monotonic):
         self.caches = caches
         self.prefill = PrefillBudget(prefill_chunk, prefill_stall)  # chunk 0: whole prompts in one pass
         self.decoding_s, self.clock = decoding_s, clock

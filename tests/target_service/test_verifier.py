@@ -153,6 +153,10 @@ def test_the_prefill_budget_keeps_a_pass_within_its_stall_by_measured_costs():
     assert gpu.tokens() == ALONE_TOKENS
     gpu.observe(9.0, rounds=4, round_tokens=4, prefill=16)  # faster than the rounds alone (noise): costs nothing
     assert gpu.tokens() == ALONE_TOKENS
+    fast = PrefillBudget(16, stall=2.0)
+    rounds_alone(fast, fixed=10.0, per_token=1.5)
+    fast.observe(16.0, rounds=4, round_tokens=4, prefill=10)  # no slower than the rounds alone (noise)
+    assert fast.tokens(waiting=1, rounds=4, round_tokens=4) == 10  # at a round's 1.5 ms a token, not ALONE_TOKENS
     fixed = PrefillBudget(16, stall=0)
     rounds_alone(fixed, fixed=10.0, per_token=1.0)
     fixed.observe(90.0, rounds=4, round_tokens=4, prefill=16)
@@ -218,7 +222,8 @@ def test_sessions_between_calls_still_count_as_decoding(model):
                         prefill_chunk=16, prefill_stall=2.0, decoding_s=0.25, clock=lambda: now[0])
     short = [VerifyTask(f"s{n}", ids(6, 10 + n), [5], GREEDY) for n in range(6)]
     verifier._verify_batch(short[:4])
-    rounds_alone(verifier.prefill, fixed=10.0, per_token=1.0, sizes=(2, 12))  # costs as a CPU's, not the tiny model's
+    verifier.prefill.rounds = PassCost()  # costs as a CPU's, not the tiny model's
+    rounds_alone(verifier.prefill, fixed=10.0, per_token=1.0, sizes=(2, 12))
     verifier.prefill.observe(12.0 + 8 * 2.5, rounds=1, round_tokens=2, prefill=8)  # 2.5 ms a token
     long = VerifyTask("long", ids(500, 7), [11], GREEDY)
     now[0] = 0.1
@@ -227,3 +232,21 @@ def test_sessions_between_calls_still_count_as_decoding(model):
     now[0] = 0.5
     beside_one = verifier._verify_batch([long, short[5]])  # as many waiting as decoding: the floor
     assert beside_one[0] is AGAIN and beside_one[1].batch_tokens == 16 + 7
+
+
+def test_a_decoding_session_that_sends_a_long_prompt_waits_and_decodes_no_more(model):
+    """A session with a round 0.1 s ago that now sends a long prompt counts as waiting, not as
+    decoding: beside one other session's round, as many wait as decode, and the floor holds (were it
+    still counted as decoding, the stall would size the chunk: 7 tokens)."""
+    now = [0.0]
+    verifier = Verifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024,
+                        prefill_chunk=16, prefill_stall=2.0, decoding_s=0.25, clock=lambda: now[0])
+    verifier._verify_batch([VerifyTask("s0", ids(6, 10), [5], GREEDY)])
+    verifier.prefill.rounds = PassCost()
+    rounds_alone(verifier.prefill, fixed=10.0, per_token=1.0, sizes=(2, 12))
+    verifier.prefill.observe(12.0 + 8 * 2.5, rounds=1, round_tokens=2, prefill=8)  # 2.5 ms a token
+    now[0] = 0.1
+    turn = VerifyTask("s0", ids(6, 10) + ids(100, 99), [], GREEDY)
+    other = VerifyTask("s1", ids(6, 11), [5], GREEDY)
+    results = verifier._verify_batch([turn, other])
+    assert results[1].batch_tokens == 16 + 7
