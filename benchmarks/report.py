@@ -36,7 +36,8 @@ NOTES = [
     "roofline tok/s = c x tokens per round / max(draft ms, verify ms) per round, from the row's own measurements "
     "(the draft ms as the coordinator sees it: under overlap only what was not hidden).",
     "mixed load: the chat sessions decode alone, then again while the longest input-grounded prompts arrive "
-    "(1 s and 2.5 s after the start); ITL is the chat sessions' only. mixed_*: the default policy; "
+    "(1 s and 2.5 s after the start), --waves times over in turn, pooled (each wave's long prompts tagged, so that "
+    "none is in the prefix cache); ITL is the chat sessions' only. mixed_*: the default policy; "
     "mixed_model_*: model draft K=5 with overlap for every request.",
     "Peak RSS (VmHWM, MB, reset per configuration): d draft, t target, c coordinator, r redis; bench = the benchmark "
     "process, which holds the transformers model and the llama.cpp reference at once. CPU memory only: GPU memory "

@@ -15,7 +15,7 @@ what their rounds cost alone, by measured costs (`PrefillBudget`), more in propo
 sessions wait than decode, and at least `prefill_chunk` (16) where as many wait as decode; a pass
 while none decode takes ALONE_TOKENS. On this CPU that is 3-6 tokens beside 4 decoding sessions
 (~14 ms, a prompt token ~2.4 ms): the mixed-load benchmark's chat ITL p99 at 1.2-1.7x its value
-without the long prompts (2.1-2.5x with a fixed 16), grounded c8 5-10% slower."""
+without the long prompts (2.1-2.5x with a fixed 16), grounded c8 5-15% slower."""
 
 from __future__ import annotations
 
