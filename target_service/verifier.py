@@ -86,7 +86,7 @@ class PrefillBudget:
 
     On this CPU a pass of 4 decoding sessions costs ~14 ms and a prompt token adds ~2.4 ms: a stall of
     1.6 allows 3-4 tokens a pass beside them; seven prompts waiting beside one decoding session
-    (~10 ms) take ~17. On a GPU, where a pass of 100 tokens costs about what a pass of 4 does, the
+    (~10 ms) take ~30. On a GPU, where a pass of 100 tokens costs about what a pass of 4 does, the
     chunk is ALONE_TOKENS. `stall` 0: always `chunk`."""
 
     def __init__(self, chunk: int, stall: float = 1.6, weight: float = 0.2):
@@ -222,9 +222,12 @@ class Verifier:
             # what this pass takes of long prefills: a chunk while sessions decode (had a round in the
             # last `decoding_s`: the others' next calls are on their way, and a pass of ALONE_TOKENS,
             # ~350 ms on a CPU, would hold every one of them), else ALONE_TOKENS
-            own = len(leased), sum(prefill[i] + len(tasks[i].draft_ids) for i, _ in leased)  # rounds, tokens
+            own_rounds = len(leased)
+            own_tokens = sum(prefill[i] + len(tasks[i].draft_ids) for i, _ in leased)
             rounds = self._decoding_now([tasks[i].session_id for i, _ in leased], {tasks[i].session_id for i, _ in long})
-            budget = self.prefill.tokens(len(long), rounds, own[1] + rounds - own[0]) if rounds else max(chunk, ALONE_TOKENS)
+            # sessions decoding but not in this pass: one token each
+            budget = (self.prefill.tokens(len(long), rounds, own_tokens + rounds - own_rounds) if rounds
+                      else max(chunk, ALONE_TOKENS))
             taken = 0  # tokens of long prefills in this pass, the ones that end in it included
             chunked = []  # (i, seq, tokens this pass): the rest in the next passes, between others' rounds
             for i, seq in long:
@@ -253,7 +256,7 @@ class Verifier:
                 self.caches.crop(seq, n + num_accepted)  # rejected drafts never stay cached
                 decided.append((i, num_accepted, next_token, logprobs))
         compute_ms = (time.perf_counter() - started) * 1e3
-        self.prefill.observe(compute_ms, own[0], own[1], taken)
+        self.prefill.observe(compute_ms, own_rounds, own_tokens, taken)
         metrics.FORWARD_SECONDS.labels("target").observe(compute_ms / 1e3)
         metrics.VERIFY_BATCH.observe(len(leased) + len(chunked))
         for i, num_accepted, next_token, logprobs in decided:

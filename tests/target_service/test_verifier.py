@@ -111,6 +111,14 @@ def rounds_alone(budget: PrefillBudget, fixed: float, per_token: float, sizes=(4
             budget.observe(fixed + per_token * n, rounds=n, round_tokens=n, prefill=0)
 
 
+def measured(budget: PrefillBudget, token_ms: float, fixed: float = 10.0) -> None:
+    """A CPU's costs, whatever the verifier's own passes measured: passes of rounds alone at `fixed` ms
+    plus 1 ms a token, and a prompt token at `token_ms` beside them."""
+    budget.rounds = PassCost()
+    rounds_alone(budget, fixed=fixed, per_token=1.0, sizes=(2, 12))
+    budget.observe(fixed + 2 + 8 * token_ms, rounds=1, round_tokens=2, prefill=8)
+
+
 def test_a_pass_of_rounds_costs_a_fixed_part_plus_a_part_per_token():
     """PassCost: nothing before a pass; the mean of passes all one size; the line through passes of
     different sizes; and a later stretch of one size moves the level, not the slope."""
@@ -172,8 +180,7 @@ def test_a_verifier_chunks_by_what_its_prefill_budget_measured(model):
     other = VerifyTask("other", ids(6, 9), [5], GREEDY)
     verifier = Verifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024,
                         prefill_chunk=16, prefill_stall=2.0)
-    rounds_alone(verifier.prefill, fixed=10.0, per_token=1.0, sizes=(2, 12))
-    verifier.prefill.observe(12.0 + 8 * 2.5, rounds=1, round_tokens=2, prefill=8)  # 2.5 ms a token
+    measured(verifier.prefill, token_ms=2.5)
     first = verifier._verify_batch([long, short, other])  # two rounds of 7 tokens, 24 ms: 9.6 tokens within 2x
     assert first[0] is AGAIN and first[1].batch_tokens == 9 + 7 + 7
 
@@ -202,8 +209,7 @@ def test_a_pass_is_measured_by_its_rounds_and_all_the_prefill_it_took(model):
     short = VerifyTask("short", ids(6, 3), [5], GREEDY)
     verifier = Verifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024,
                         prefill_chunk=8, prefill_stall=2.0)
-    rounds_alone(verifier.prefill, fixed=13.0, per_token=1.0, sizes=(2, 12))
-    verifier.prefill.observe(15.0 + 2 * 2.4, rounds=1, round_tokens=2, prefill=2)  # beside short's round (20 ms), 16 with two waiting
+    measured(verifier.prefill, token_ms=2.4, fixed=13.0)  # beside short's round (20 ms), 16 with two waiting
     seen = []
     verifier.prefill.observe = lambda ms, rounds, round_tokens, prefill: seen.append((rounds, round_tokens, prefill))
     results = verifier._verify_batch([a, b, short])
@@ -222,9 +228,7 @@ def test_sessions_between_calls_still_count_as_decoding(model):
                         prefill_chunk=16, prefill_stall=2.0, decoding_s=0.25, clock=lambda: now[0])
     short = [VerifyTask(f"s{n}", ids(6, 10 + n), [5], GREEDY) for n in range(6)]
     verifier._verify_batch(short[:4])
-    verifier.prefill.rounds = PassCost()  # costs as a CPU's, not the tiny model's
-    rounds_alone(verifier.prefill, fixed=10.0, per_token=1.0, sizes=(2, 12))
-    verifier.prefill.observe(12.0 + 8 * 2.5, rounds=1, round_tokens=2, prefill=8)  # 2.5 ms a token
+    measured(verifier.prefill, token_ms=2.5)
     long = VerifyTask("long", ids(500, 7), [11], GREEDY)
     now[0] = 0.1
     beside_four = verifier._verify_batch([long, short[4]])  # 5 decoding, 11 tokens, 21 ms: 8.4 tokens within 2x
@@ -242,9 +246,7 @@ def test_a_decoding_session_that_sends_a_long_prompt_waits_and_decodes_no_more(m
     verifier = Verifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024,
                         prefill_chunk=16, prefill_stall=2.0, decoding_s=0.25, clock=lambda: now[0])
     verifier._verify_batch([VerifyTask("s0", ids(6, 10), [5], GREEDY)])
-    verifier.prefill.rounds = PassCost()
-    rounds_alone(verifier.prefill, fixed=10.0, per_token=1.0, sizes=(2, 12))
-    verifier.prefill.observe(12.0 + 8 * 2.5, rounds=1, round_tokens=2, prefill=8)  # 2.5 ms a token
+    measured(verifier.prefill, token_ms=2.5)
     now[0] = 0.1
     turn = VerifyTask("s0", ids(6, 10) + ids(100, 99), [], GREEDY)
     other = VerifyTask("s1", ids(6, 11), [5], GREEDY)
