@@ -18,8 +18,9 @@ VLLM = "vllm_plain"
 MIXED_CHAT = 4  # chat sessions decoding in the mixed-load scenario
 NOTES = [
     "Greedy; one stack serves every specdec configuration (per-request K / overlap / draft method / adaptive).",
-    "c1 rows: every prompt through every configuration in turn (order rotated per prompt); aggregate tokens/s = "
-    "tokens / sum of request wall times. c>1 rows: c client threads, every configuration in turn, the whole "
+    "c1 rows: every prompt through every configuration in turn (order rotated per prompt and per pass), all "
+    "prompts three times over (--waves; vLLM's and the pinned layout's rows once); aggregate tokens/s = tokens / "
+    "sum of request wall times. c>1 rows: c client threads, every configuration in turn, the whole "
     "turn three times over (--waves; the order reversed every other pass), aggregate = tokens / the sum of its "
     "waves' wall times; before "
     "each level's rows every configuration is warmed up unmeasured (c requests of 32 tokens; the policy's "

