@@ -52,6 +52,9 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+WARM_PASSES = 2  # unmeasured passes before case() times its repeats
+
+
 def case(backend, handles, new: int, repeats: int, device: str, check: bool = True) -> dict:
     """One batched pass of `new` tokens for every handle: agreement with the sessions alone, then ms per pass."""
     g = torch.Generator().manual_seed(new)
@@ -69,7 +72,7 @@ def case(backend, handles, new: int, repeats: int, device: str, check: bool = Tr
         alone = [step([h], [b])[0] for h, b in zip(handles, ids)]
         diff = max((a - b).abs().max().item() for a, b in zip(batched, alone))
         same_argmax = all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(batched, alone))
-    for _ in range(2):
+    for _ in range(WARM_PASSES):
         step(handles, ids)
     sync(device)
     t = time.perf_counter()
@@ -128,7 +131,7 @@ def breakdown(backend, handles, new: int, repeats: int, device: str) -> dict[str
                 put(obj, name, original)
             elif name in obj.__dict__:
                 object.__delattr__(obj, name)
-    ms = {label: t * 1e3 / (repeats + 2) for label, t in spent.items()}  # case() warms up with 2 passes
+    ms = {label: t * 1e3 / (repeats + WARM_PASSES) for label, t in spent.items()}  # case()'s warm-up is timed too
     return {"total": total, **ms, "rest": total - sum(ms.values())}
 
 

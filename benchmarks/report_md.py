@@ -42,9 +42,9 @@ def markdown(result: dict) -> str:
     for r in result["results"]:
         groups.setdefault((r["layout"], r["prompt_set"]), []).append(r)
     for (layout, prompt_set), rows in groups.items():
-        n = max(r["stats"]["num_requests"] for r in rows if r["concurrency"] == min(q["concurrency"] for q in rows))
+        n = max(len({q["prompt_index"] for q in r["requests"]}) for r in rows)
         where = {"pinned": " (pinned layout)", "mixed": " (mixed load)"}.get(layout, "")
-        lines += ["", f"## {prompt_set} prompts{where}, {n} per run", ""]
+        lines += ["", f"## {prompt_set} prompts{where}, {n} per pass", ""]
         lines += table(sorted(rows, key=lambda r: r["concurrency"]))
     lines += ["", "## Notes", ""] + [f"- {note}" for note in meta["notes"]]
     return "\n".join(lines) + "\n"
