@@ -208,7 +208,7 @@ def main() -> None:
         stack = Stack(target_model=target, draft_model=draft, log_dir=log_dir, openai=True)
     else:
         stack = Stack(target_model=a.model, draft_model=a.model, log_dir=log_dir, openai=True,
-                      args={"draft": ["--backend", "llama.cpp"]})
+                      args={"draft": ["--backend", "auto"]})  # as `specdec up` runs it
     print(f"starting the stack ({a.model}); logs in {log_dir}", file=sys.stderr)
     stack.up(wait_s=900)
     try:
