@@ -1,5 +1,5 @@
 """What the KV tier (session KV in Redis) buys and costs, on the embedded default (SmolLM2-135M:
-target in float32 on transformers' paged backend, draft Q4_1 on llama.cpp), all services real.
+target in float32 on our paged backend, the draft as `specdec up` runs it), all services real.
 
 1. Restore against re-prefill: a session with a `--prompt-tokens` prompt is served; its workers
    (both) and the coordinator are restarted, so nothing is cached; the session is continued and the
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -45,6 +46,11 @@ from specdec import Client  # noqa: E402
 from specdec.launcher import Stack, free_port, scrape_metrics  # noqa: E402
 from specdec_core.kvstore import _HEADER  # noqa: E402
 from specdec_core.models import load_tokenizer  # noqa: E402
+
+# Every request drafts with the model, so that both workers hold (and store) each session's KV: under
+# the default policy a session here decodes plainly, the draft never sees its prompt, and a wait for
+# the draft's chunks ran out (300 s).
+DRAFTED = {"draft": "model", "k": 5}
 
 OUT = ROOT / "benchmarks" / "results" / "kvstore.json"
 
@@ -83,7 +89,7 @@ class Bench:
         with Client(stack.address("coordinator"), timeout_s=900) as client:
             started = time.perf_counter()
             first, session = None, ""
-            for chunk in client.stream(prompt, max_new_tokens=kwargs.pop("max_new_tokens", 8), **kwargs):
+            for chunk in client.stream(prompt, max_new_tokens=kwargs.pop("max_new_tokens", 8), **DRAFTED, **kwargs):
                 session = session or chunk.session_id
                 if first is None and chunk.token_ids:
                     first = time.perf_counter() - started
@@ -194,11 +200,11 @@ class Bench:
         for key in kv.scan_iter("specdec:kv:*", count=1000):
             by_model[key.split(b":")[2].decode()].append(key)
         models, sample = {}, []
+        owners = kv_owners(stack)
         for digest, keys in by_model.items():
             sizes = [kv.strlen(k) for k in keys]
             per_token = (statistics.mean(sizes) - _HEADER.size) / self.a.chunk
-            name = "target (float32, transformers paged)" if per_token > 30000 else "draft (llama.cpp, f16 KV)"
-            models[name] = {"bytes_per_token": round(per_token), "chunks": len(keys),
+            models[owners.get(digest[:12], digest[:12])] = {"bytes_per_token": round(per_token), "chunks": len(keys),
                             "megabytes": round(sum(sizes) / 2**20, 1)}
             sample += [kv.get(k)[_HEADER.size:] for k in keys[:8]]
         started = time.perf_counter()
@@ -212,10 +218,10 @@ class Bench:
         """The tier's time per round while a long session decodes (its prompt already restored)."""
         names = ("specdec_kv_store_round_seconds_sum", "specdec_kv_store_round_seconds_count")
         with Client(stack.address("coordinator"), timeout_s=900) as client:
-            first = client.generate(self.ids(self.a.prompt_tokens, offset=800), max_new_tokens=4)
+            first = client.generate(self.ids(self.a.prompt_tokens, offset=800), max_new_tokens=4, **DRAFTED)
             self.wait_written(stack)  # the prompt's chunks: a prefill's cost, not a steady round's
             before = {r: [self.metric(stack, r, n) for n in names] for r in ("draft", "target")}
-            result = client.generate(self.ids(4, offset=801), max_new_tokens=self.a.steady_tokens,
+            result = client.generate(self.ids(4, offset=801), max_new_tokens=self.a.steady_tokens, **DRAFTED,
                                      session_id=first.session_id)
         rounds = result.stats["rounds"]
         out = {"tokens": len(result.token_ids), "rounds": rounds}
@@ -225,6 +231,17 @@ class Bench:
             out[f"{role}_batches"] = int(c1 - c0)
             out[f"{role}_ms_per_batch"] = round((s1 - s0) / max(1, c1 - c0) * 1e3, 3)
         return out
+
+
+def kv_owners(stack: Stack) -> dict[str, str]:
+    """The first 12 hex digits of each worker's KV model digest -> "role (layout)", from the line each
+    worker logs when its tier starts ("KV tier on (draft): 64-token chunks, <layout>, model <digest>"):
+    the draft and the target may store as many bytes per token (both float32 on our engine)."""
+    owners = {}
+    for path in Path(stack.log_dir).glob("*.log"):
+        for m in re.finditer(r"KV tier on \((\w+)\): \d+-token chunks, (.*), model ([0-9a-f]{12})", path.read_text()):
+            owners[m.group(3)] = f"{m.group(1)} ({m.group(2)})"
+    return owners
 
 
 def main() -> int:
@@ -241,7 +258,7 @@ def main() -> int:
     bench = Bench(a)
     results: dict = {"generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                      "config": {k: v for k, v in vars(a).items() if k != "out"},
-                     "machine": "2 cores, no GPU", "models": "SmolLM2-135M: target float32 (paged), draft Q4_1 llama.cpp"}
+                     "machine": "2 cores, no GPU", "models": "SmolLM2-135M (the embedded default): target float32 (paged), draft as `specdec up` runs it"}
     stack = bench.start("tier", tier=True, sharing=True)
     try:
         log("1. restore against re-prefill")
