@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import sys
 import tempfile
@@ -212,7 +213,7 @@ def sequential(layout: str, prompt_set: str, prompts: list[list[dict]], runners:
     names = [n for n, r in runners.items() if r.only_set in (None, prompt_set)]
     done = {n: [] for n in names}
     memory = {n: {} for n in names}
-    for wave, (i, messages) in ((w, p) for w in range(waves) for p in enumerate(prompts)):
+    for wave, (i, messages) in itertools.product(range(waves), enumerate(prompts)):
         turn = (i + wave) % len(names)
         for name in names[turn:] + names[:turn]:
             runner = runners[name]
