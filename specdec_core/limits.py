@@ -11,6 +11,7 @@ _SESSION_ID = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_SESSION_ID_CHARS}}}")  # the s
 
 
 MAX_DECODE_STEPS = 64  # plain decoding steps one Verify call may take after its verdict
+MAX_SPECULATIVE_TOKENS = 32  # draft tokens a round may verify (K)
 
 MAX_REQUEST_ID_CHARS = 128
 _REQUEST_ID = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_REQUEST_ID_CHARS}}}")
@@ -28,3 +29,10 @@ def validate_session_id(session_id: str) -> None:
     if not _SESSION_ID.fullmatch(session_id):
         raise InvalidArgument(
             "session_id", f"must be 1 to {MAX_SESSION_ID_CHARS} characters of A-Z, a-z, 0-9, '_' or '-'")
+
+
+def check_token_ids(name: str, ids: list[int], vocab_size: int) -> None:
+    """INVALID_ARGUMENT naming `name` if any id lies outside the vocabulary [0, vocab_size)."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(name, f"token id {bad} outside the vocabulary [0, {vocab_size})")
