@@ -9,15 +9,16 @@ import threading
 import redis
 
 from coordinator.config import CoordinatorConfig
-from coordinator.generation import Generation, Limits
+from coordinator.generation import Generation
 from coordinator.ngram import NgramProposer
+from coordinator.request import Limits
 from specdec_core.redis_client import connect_redis
 from coordinator.routing import ReplicaPool, Routed, discover
 from coordinator.servicer import GenerationServicer
 from coordinator.sessions import SessionStore
 from coordinator.tenancy import RequestQuota, Tenants, read_tenant_tokens
 from coordinator.text import TextCodec
-from coordinator.workers import ChannelSettings, DraftClient, TargetClient
+from coordinator.workers import ChannelSettings, DraftClient, DraftsInFlight, TargetClient
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
 from specdec_core.errors import FailedPrecondition, Unavailable
@@ -30,17 +31,20 @@ from specdec_core.server import create_server, serve
 log = logging.getLogger("coordinator")
 
 
-def worker_pools(cfg: CoordinatorConfig, routes: dict) -> tuple[Routed, Routed | None]:
+def worker_pools(cfg: CoordinatorConfig) -> tuple[Routed, Routed | None]:
     tls = cfg.worker_tls
     channel = ChannelSettings(tls.channel_credentials() if tls.ca else None, cfg.worker_tls_server_name)
+    drafts = DraftsInFlight()  # the draft clients count their calls, the target clients tell the target
     target = Routed(ReplicaPool("target", discover(cfg.target_address),
-                                lambda a: TargetClient(a, retry_budget_s=min(2.0, cfg.target_retry_s), channel=channel),
-                                cfg.target_retry_s), routes)
+                                lambda a: TargetClient(a, retry_budget_s=min(2.0, cfg.target_retry_s), channel=channel,
+                                                       drafts=drafts),
+                                cfg.target_retry_s))
     draft = None
     if cfg.draft_address:
         draft = Routed(ReplicaPool("draft", discover(cfg.draft_address),
-                                   lambda a: DraftClient(a, retry_budget_s=min(1.0, cfg.draft_retry_s), channel=channel),
-                                   cfg.draft_retry_s, fail_fast=True), routes)
+                                   lambda a: DraftClient(a, retry_budget_s=min(1.0, cfg.draft_retry_s), channel=channel,
+                                                         in_flight=drafts),
+                                   cfg.draft_retry_s, fail_fast=True))
     return target, draft
 
 
@@ -57,8 +61,7 @@ def _draft_info(draft: Routed, wait_s: float):
 def main(argv: list[str] | None = None) -> None:
     cfg = CoordinatorConfig.from_args(argv)
     setup_logging(cfg.server.log_level, cfg.server.log_format)
-    routes: dict[str, dict[str, str]] = {}
-    target, draft = worker_pools(cfg, routes)
+    target, draft = worker_pools(cfg)
     log.info("waiting for the target worker at %s", cfg.target_address)
     target_info = target.model_info(cfg.startup_timeout_s)
     draft_info = _draft_info(draft, wait_s=min(30.0, cfg.startup_timeout_s)) if draft else None
@@ -76,8 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     store = SessionStore(connect_redis(cfg.redis_url, cfg.redis_tls, cfg.redis_retry_s), ttl_seconds=cfg.session_ttl_s,
                          wait_replicas=cfg.redis_wait_replicas, wait_timeout_ms=cfg.redis_wait_timeout_ms,
                          max_sessions_per_tenant=cfg.tenant_max_sessions, request_ttl_seconds=cfg.request_ttl_s)
-    generation = Generation(store, codec, draft, NgramProposer(), target, limits, routes,
-                            RequestQuota(cfg.tenant_max_requests))
+    generation = Generation(store, codec, draft, NgramProposer(), target, limits, RequestQuota(cfg.tenant_max_requests))
     describe = pb.DescribeModelsResponse(
         target=target_info, draft=draft_info, tokenizer=cfg.tokenizer,
         default_num_speculative_tokens=cfg.num_speculative_tokens, default_max_new_tokens=cfg.max_new_tokens,

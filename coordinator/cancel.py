@@ -1,10 +1,9 @@
 """Cancelling a worker call from another thread: the overlapped draft of a block that the target
-has just rejected. The call is made in a context holding a `CancelToken` (`call_cancel`);
-`WorkerClient.call` then makes it as a gRPC future the token can cancel."""
+has just rejected. The call's `RequestContext` carries a `CancelToken`; `WorkerClient.call` then
+makes it as a gRPC future the token can cancel."""
 
 from __future__ import annotations
 
-import contextvars
 import threading
 from typing import Any
 
@@ -37,6 +36,3 @@ class CancelToken:
                 return
         call.cancel()
 
-
-# The CancelToken of the worker calls made in this context, if they may be cancelled.
-call_cancel: contextvars.ContextVar[CancelToken | None] = contextvars.ContextVar("call_cancel", default=None)

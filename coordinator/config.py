@@ -6,7 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from specdec_core.limits import MAX_DECODE_STEPS
+from specdec_core.limits import MAX_DECODE_STEPS, MAX_SPECULATIVE_TOKENS
 from specdec_core.security import TlsFiles
 from specdec_core.server import ServerOptions
 
@@ -41,8 +41,8 @@ class CoordinatorConfig:
     def __post_init__(self):
         if not self.redis_url:
             raise ValueError("redis_url is required (--redis-url or REDIS_URL); `specdec up` starts one for you")
-        if not 0 <= self.num_speculative_tokens <= 32:
-            raise ValueError("num_speculative_tokens must be in 0..32")
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in 0..{MAX_SPECULATIVE_TOKENS}")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         if not 0 <= self.decode_steps <= MAX_DECODE_STEPS:

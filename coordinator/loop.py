@@ -24,20 +24,19 @@ draft's proposal becomes a bet like the others.
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import time
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from coordinator.cancel import CancelToken, call_cancel
+from coordinator.cancel import CancelToken
+from coordinator.request import RequestContext
 from specdec_core.errors import Cancelled, NotFound, ResourceExhausted, SpecdecError
-from specdec_core.sampling import SamplingConfig, TokenLogprob
+from specdec_core.logs import log_context, short_id
+from specdec_core.sampling import SparseDist, TokenLogprob
 
 log = logging.getLogger(__name__)
-
-SparseDist = tuple[list[int], list[float]]
 
 
 @dataclass(frozen=True)
@@ -81,17 +80,12 @@ NO_DECODE = Decode()
 
 
 class Proposer(Protocol):
-    def propose(
-        self, session_id: str, committed_ids: list[int], num_tokens: int, sampling: SamplingConfig, seed: int,
-        min_confidence: float = 0.0,
-    ) -> Draft: ...
+    def propose(self, ctx: RequestContext, committed_ids: list[int], num_tokens: int) -> Draft: ...
 
 
 class Verifier(Protocol):
-    def verify(
-        self, session_id: str, committed_ids: list[int], draft: Draft, sampling: SamplingConfig, seed: int,
-        decode: Decode = NO_DECODE,
-    ) -> Verdict: ...
+    def verify(self, ctx: RequestContext, committed_ids: list[int], draft: Draft, decode: Decode = NO_DECODE
+               ) -> Verdict: ...
 
 
 NO_DRAFT = Draft([])
@@ -108,20 +102,18 @@ class Round:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per new token, when asked for
     draft: Draft = NO_DRAFT  # what was verified, with its worker's costs
     verdict: Verdict | None = None
+    k: int = 0  # the draft tokens asked for
 
 
 class Speculator:
     """The rounds of one request: draft, verify, and (with an executor) the overlapped next draft."""
 
-    def __init__(self, session_id: str, sampling: SamplingConfig, seed: int, proposer: Proposer | None,
-                 verifier: Verifier, executor: Executor | None = None, min_confidence: float = 0.0):
-        self.session_id = session_id
-        self.sampling = sampling
-        self.seed = seed
+    def __init__(self, ctx: RequestContext, proposer: Proposer | None, verifier: Verifier,
+                 executor: Executor | None = None):
+        self.ctx = ctx
         self.proposer = proposer
         self.verifier = verifier
         self.executor = executor  # None: no overlap
-        self.min_confidence = min_confidence
         self._prefetched: _Bet | None = None
         self._warmup: _WarmUp | None = None
         self._warmed = False  # the draft has been asked for this session
@@ -148,7 +140,7 @@ class Speculator:
         if pending is not None or self.warming_up:
             draft = replace(draft, drafting_meanwhile=True)  # the target keeps to its share of the cores
         verify_started = time.perf_counter()
-        verdict = self.verifier.verify(self.session_id, committed_ids, draft, self.sampling, self.seed, decode)
+        verdict = self.verifier.verify(self.ctx, committed_ids, draft, decode)
         verified = time.perf_counter()
         a = verdict.num_accepted
         new_ids = draft.token_ids[:a] + [verdict.next_token_id] + verdict.decoded_ids
@@ -161,6 +153,7 @@ class Speculator:
         done = time.perf_counter()
         return Round(
             new_ids=new_ids,
+            k=k,
             num_drafted=len(draft.token_ids),
             num_accepted=a,
             draft_ms=(verify_started - started + done - verified) * 1e3,
@@ -171,10 +164,10 @@ class Speculator:
             verdict=verdict,
         )
 
-    def _propose(self, proposer: Proposer, committed_ids: list[int], k: int) -> Draft:
+    def _propose(self, proposer: Proposer, committed_ids: list[int], k: int, ctx: RequestContext | None = None
+                 ) -> Draft:
         try:
-            return proposer.propose(self.session_id, committed_ids, k, self.sampling, self.seed,
-                                         self.min_confidence)
+            return proposer.propose(ctx or self.ctx, committed_ids, k)
         except Cancelled:
             return NO_DRAFT
         except (ResourceExhausted, NotFound) as exc:  # no room for this session now, or it was ended
@@ -185,16 +178,12 @@ class Speculator:
             return NO_DRAFT
 
     def _submit(self, token: CancelToken, committed_ids: list[int], k: int) -> Future:
-        """An overlapped proposal on the executor, in a copy of this thread's context: the request's
-        deadline and log context (session id) go with it."""
-        return self.executor.submit(contextvars.copy_context().run, self._propose_cancellable, token, committed_ids, k)
+        """An overlapped proposal on the executor, cancelled through `token`."""
+        return self.executor.submit(self._propose_cancellable, replace(self.ctx, cancel=token), committed_ids, k)
 
-    def _propose_cancellable(self, token: CancelToken, committed_ids: list[int], k: int) -> Draft:
-        reset = call_cancel.set(token)
-        try:
-            return self._propose(self.proposer, committed_ids, k)
-        finally:
-            call_cancel.reset(reset)
+    def _propose_cancellable(self, ctx: RequestContext, committed_ids: list[int], k: int) -> Draft:
+        with log_context(session=short_id(ctx.session_id)):
+            return self._propose(self.proposer, committed_ids, k, ctx)
 
     def _warm_up(self, committed_ids: list[int], k: int) -> Draft | None:
         """With overlap, a request's first round with the draft does not wait for it: the draft
@@ -208,7 +197,7 @@ class Speculator:
         Greedy only: which positions a draft covers decides which keyed draws a sampled token
         uses, so plain rounds whose number depends on timing would make a seed's output depend on
         timing (still distributed exactly as the target's, but no longer reproducible)."""
-        if self.executor is None or not self.sampling.is_greedy:
+        if self.executor is None or not self.ctx.sampling.is_greedy:
             return None
         if not self._warmed:
             self._warmed = True

@@ -17,6 +17,7 @@ greedy outputs of the benchmark's prompt sets through both rules with that cost 
 from __future__ import annotations
 
 from coordinator.loop import Draft
+from coordinator.request import RequestContext
 
 
 class NgramProposer:
@@ -24,10 +25,9 @@ class NgramProposer:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def propose(self, session_id: str, committed_ids: list[int], num_tokens: int, sampling, seed: int,
-                min_confidence: float = 0.0) -> Draft:
+    def propose(self, ctx: RequestContext, committed_ids: list[int], num_tokens: int) -> Draft:
         tokens = self.continuation(committed_ids, num_tokens)
-        dists = [] if sampling.is_greedy else [([t], [1.0]) for t in tokens]
+        dists = [] if ctx.sampling.is_greedy else [([t], [1.0]) for t in tokens]
         return Draft(tokens, dists, from_worker=False)
 
     def continuation(self, ids: list[int], num_tokens: int) -> list[int]:

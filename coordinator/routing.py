@@ -23,7 +23,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from coordinator.loop import NO_DECODE
+from coordinator.loop import NO_DECODE, Decode, Draft, Verdict
+from coordinator.request import RequestContext
 from specdec_core.errors import Unavailable
 from specdec_core.logs import short_id
 
@@ -254,22 +255,19 @@ class ReplicaPool:
 
 
 class Routed:
-    """A `Proposer` or `Verifier` over a pool of replicas. `routes` maps a session in flight to its
-    replica choices (the dict stored with the session, so choices persist with it)."""
+    """A `Proposer` or `Verifier` over a pool of replicas. A call goes to the replica in its request
+    context's `routes` (the dict stored with the session, so choices persist with it)."""
 
-    def __init__(self, pool: ReplicaPool, routes: dict[str, dict[str, str]]):
+    def __init__(self, pool: ReplicaPool):
         self.pool = pool
         self.role = pool.role
-        self.routes = routes
 
-    def propose(self, session_id, committed_ids, num_tokens, sampling, seed, min_confidence=0.0):
-        return self.pool.call(session_id, self.routes.setdefault(session_id, {}),
-                              lambda c: c.propose(session_id, committed_ids, num_tokens, sampling, seed,
-                                                  min_confidence))
+    def propose(self, ctx: RequestContext, committed_ids: list[int], num_tokens: int) -> Draft:
+        return self.pool.call(ctx.session_id, ctx.routes, lambda c: c.propose(ctx, committed_ids, num_tokens))
 
-    def verify(self, session_id, committed_ids, draft, sampling, seed, decode=NO_DECODE):
-        return self.pool.call(session_id, self.routes.setdefault(session_id, {}),
-                              lambda c: c.verify(session_id, committed_ids, draft, sampling, seed, decode))
+    def verify(self, ctx: RequestContext, committed_ids: list[int], draft: Draft, decode: Decode = NO_DECODE
+               ) -> Verdict:
+        return self.pool.call(ctx.session_id, ctx.routes, lambda c: c.verify(ctx, committed_ids, draft, decode))
 
     def release(self, session_id: str) -> None:
         for client in self.pool.clients():

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import time
 
-from coordinator.generation import Chunk, Finish, Generation, GenerationRequest, Method, RequestStats
-from coordinator.sessions import SessionStats
+from coordinator.generation import Generation
+from coordinator.request import Chunk, DraftMethod, Finish, GenerationRequest, Stats
 from coordinator.tenancy import Tenants
-from coordinator.workers import request_deadline
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
 from specdec_core.errors import grpc_errors
@@ -15,11 +14,10 @@ from specdec_core.limits import validate_session_id
 from specdec_core.sampling import sampling_from_dict
 from specdec_core.wire import logprobs_to_proto, sampling_from_proto, sampling_to_proto
 
-_METHODS = {
-    pb.DRAFT_METHOD_UNSPECIFIED: Method.DEFAULT,
-    pb.DRAFT_METHOD_MODEL: Method.MODEL,
-    pb.DRAFT_METHOD_NGRAM: Method.NGRAM,
-    pb.DRAFT_METHOD_NONE: Method.NONE,
+_METHODS = {  # DRAFT_METHOD_UNSPECIFIED: None, the server's policy chooses
+    pb.DRAFT_METHOD_MODEL: DraftMethod.MODEL,
+    pb.DRAFT_METHOD_NGRAM: DraftMethod.NGRAM,
+    pb.DRAFT_METHOD_NONE: DraftMethod.NONE,
 }
 _FINISH = {
     Finish.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -42,7 +40,7 @@ def request_from_proto(msg: pb.GenerationInput) -> GenerationRequest:
         max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else None,
         stop=list(msg.stop),
         stop_token_ids=list(msg.stop_token_ids),
-        method=_METHODS.get(spec.method, Method.DEFAULT),
+        method=_METHODS.get(spec.method),
         num_speculative_tokens=spec.num_speculative_tokens if spec.HasField("num_speculative_tokens") else None,
         adaptive=spec.adaptive,
         overlap=spec.overlap if spec.HasField("overlap") else None,
@@ -54,18 +52,15 @@ def request_from_proto(msg: pb.GenerationInput) -> GenerationRequest:
     )
 
 
-def stats_to_proto(s: RequestStats | SessionStats) -> pb.SpeculationStats:
+def stats_to_proto(s: Stats) -> pb.SpeculationStats:
     overhead = max(0.0, s.wall_ms - s.draft_ms - s.verify_ms)
     return pb.SpeculationStats(
         rounds=s.rounds, drafted=s.drafted, accepted=s.accepted,
         acceptance_rate=s.accepted / s.drafted if s.drafted else 0.0,
         mean_accepted_length=(s.accepted + s.rounds) / s.rounds if s.rounds else 0.0,
         wall_ms=s.wall_ms, draft_ms=s.draft_ms, verify_ms=s.verify_ms, overhead_ms=overhead,
-        last_k=getattr(s, "last_k", 0),
-        max_verify_batch_size=getattr(s, "max_verify_batch_size", 0),
-        model_rounds=getattr(s, "model_rounds", 0),
-        ngram_rounds=getattr(s, "ngram_rounds", 0),
-        decoded=getattr(s, "decoded", 0),
+        last_k=s.last_k, max_verify_batch_size=s.max_verify_batch_size, model_rounds=s.model_rounds,
+        ngram_rounds=s.ngram_rounds, decoded=s.decoded,
     )
 
 
@@ -88,9 +83,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.tenants = tenants or Tenants()
 
     def _run(self, request, context):
-        _propagate_deadline(context)
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
         return self.generation.run(request_from_proto(request.input), lambda: not context.is_active(),
-                                   self.tenants(context))
+                                   self.tenants(context), deadline)
 
     @grpc_errors
     def GenerateStream(self, request, context):
@@ -134,7 +130,3 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def DescribeModels(self, request, context):
         return self.describe
 
-
-def _propagate_deadline(context) -> None:
-    remaining = context.time_remaining()
-    request_deadline.set(time.monotonic() + remaining if remaining is not None else None)

@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 
 import redis
 
+from coordinator.request import Stats
 from specdec_core.redis_client import redis_errors
 from specdec_core import metrics
 from specdec_core.errors import Aborted, FailedPrecondition, NotFound, ResourceExhausted, Unavailable
@@ -114,18 +115,6 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class SessionStats:
-    requests: int = 0
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    generated: int = 0
-    wall_ms: float = 0.0
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
-
-
-@dataclass
 class Session:
     session_id: str
     seed: int
@@ -133,7 +122,7 @@ class Session:
     token_ids: list[int] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)  # chat history, when driven by messages
     sampling: dict = field(default_factory=dict)
-    stats: SessionStats = field(default_factory=SessionStats)
+    stats: Stats = field(default_factory=Stats)
     routes: dict = field(default_factory=dict)  # role -> the worker replica serving this session
     request_id: str = ""  # of the request that last added input
     version: int = -1  # -1: not stored yet
@@ -217,7 +206,7 @@ class SessionStore:
             token_ids=[int(t) for t in ids],
             messages=meta["messages"],
             sampling=meta["sampling"],
-            stats=SessionStats(**meta["stats"]),
+            stats=Stats(**meta["stats"]),
             routes=meta.get("routes", {}),
             request_id=meta.get("request", ""),
             version=int(fields[b"version"]),

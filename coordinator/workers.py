@@ -11,7 +11,6 @@ RESOURCE_EXHAUSTED; the draft's is not retried at all (the round goes on without
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import threading
 import time
@@ -21,12 +20,11 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.cancel import call_cancel
 from coordinator.loop import NO_DECODE, Decode, Draft, Verdict
+from coordinator.request import RequestContext
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec_core.errors import (
     Cancelled,
-    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -34,28 +32,12 @@ from specdec_core.errors import (
     SpecdecError,
     Unavailable,
 )
-from specdec_core.sampling import SamplingConfig
 from specdec_core.wire import logprobs_from_proto, sampling_to_proto
 
 log = logging.getLogger(__name__)
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION}
 _MESSAGE_LIMIT = 64 * 1024 * 1024
-
-# The deadline (time.monotonic()) of the client request being served, so that worker calls made on
-# its behalf never outlive it: the client's deadline propagates to the workers.
-request_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("request_deadline", default=None)
-
-
-def call_timeout(default_s: float) -> float:
-    deadline = request_deadline.get()
-    if deadline is None:
-        return default_s
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise DeadlineExceeded("the request's deadline passed")
-    return min(default_s, remaining)
-
 
 @dataclass(frozen=True)
 class ChannelSettings:
@@ -91,18 +73,22 @@ class WorkerClient:
             return False
         return response.status == health_pb2.HealthCheckResponse.SERVING
 
-    def call(self, method: Callable, request, retry_budget_s: float | None = None):
+    def call(self, method: Callable, request, ctx: RequestContext | None = None,
+             retry_budget_s: float | None = None):
+        """method(request) with retries; never past the request's deadline, and cancelled with its
+        cancel token (ctx None: a call for no request, such as model info)."""
         budget = self.retry_budget_s if retry_budget_s is None else retry_budget_s
         deadline = time.monotonic() + budget
         delay = 0.05
-        token = call_cancel.get()
+        token = ctx.cancel if ctx is not None else None
         while True:
+            timeout = ctx.timeout(self.timeout_s) if ctx is not None else self.timeout_s
             try:
                 if token is None:
-                    return method(request, timeout=call_timeout(self.timeout_s))
+                    return method(request, timeout=timeout)
                 if token.is_cancelled:
                     raise Cancelled(f"{self.role} call cancelled")
-                call = method.future(request, timeout=call_timeout(self.timeout_s))
+                call = method.future(request, timeout=timeout)
                 token.watch(call)
                 return call.result()
             except grpc.FutureCancelledError:
@@ -142,9 +128,10 @@ def _domain_error(role: str, code: grpc.StatusCode, details: str) -> SpecdecErro
     return SpecdecError(f"{role} worker failed: {code.name}: {details}")
 
 
-class _InFlight:
-    """Calls to draft workers in flight from this process: the target is told, so that where it shares
-    cores with a draft worker it keeps to its share while one drafts."""
+class DraftsInFlight:
+    """Calls to draft workers in flight from this coordinator (one counter, given to its draft and
+    target clients): the target is told, so that where it shares cores with a draft worker it keeps
+    to its share while one drafts."""
 
     def __init__(self):
         self._count = 0
@@ -163,22 +150,19 @@ class _InFlight:
         return self._count > 0
 
 
-DRAFTS_IN_FLIGHT = _InFlight()
-
-
 class DraftClient(WorkerClient):
     def __init__(self, address: str, timeout_s: float = 60.0, retry_budget_s: float = 2.0,
-                 channel: ChannelSettings = ChannelSettings()):
+                 channel: ChannelSettings = ChannelSettings(), in_flight: DraftsInFlight | None = None):
         super().__init__("draft", address, timeout_s, retry_budget_s, channel, retry_exhausted=False)
         self.stub = draft_pb2_grpc.DraftStub(self.channel)
+        self.in_flight = in_flight or DraftsInFlight()
 
-    def propose(self, session_id, committed_ids, num_tokens, sampling: SamplingConfig, seed,
-                min_confidence: float = 0.0) -> Draft:
-        with DRAFTS_IN_FLIGHT:
+    def propose(self, ctx: RequestContext, committed_ids: list[int], num_tokens: int) -> Draft:
+        with self.in_flight:
             response = self.call(self.stub.Propose, draft_pb2.ProposeRequest(
-                session_id=session_id, committed_ids=committed_ids, num_tokens=num_tokens,
-                sampling=sampling_to_proto(sampling), seed=seed, min_confidence=min_confidence,
-            ))
+                session_id=ctx.session_id, committed_ids=committed_ids, num_tokens=num_tokens,
+                sampling=sampling_to_proto(ctx.sampling), seed=ctx.seed, min_confidence=ctx.min_draft_confidence,
+            ), ctx)
         dists = [(list(d.token_ids), list(d.probs)) for d in response.distributions]
         return Draft(list(response.token_ids), dists, response.compute_ms, response.batch_size,
                      response.batch_prefill_tokens, len(response.token_ids))
@@ -187,24 +171,25 @@ class DraftClient(WorkerClient):
         self.call(self.stub.ReleaseDraftCache, draft_pb2.ReleaseDraftCacheRequest(session_id=session_id))
 
     def model_info(self, retry_budget_s: float | None = None) -> common_pb2.ModelInfo:
-        return self.call(self.stub.GetDraftModel, draft_pb2.GetDraftModelRequest(), retry_budget_s).model
+        return self.call(self.stub.GetDraftModel, draft_pb2.GetDraftModelRequest(), retry_budget_s=retry_budget_s).model
 
 
 class TargetClient(WorkerClient):
     def __init__(self, address: str, timeout_s: float = 120.0, retry_budget_s: float = 30.0,
-                 channel: ChannelSettings = ChannelSettings()):
+                 channel: ChannelSettings = ChannelSettings(), drafts: DraftsInFlight | None = None):
         super().__init__("target", address, timeout_s, retry_budget_s, channel)
         self.stub = target_pb2_grpc.TargetStub(self.channel)
+        self.drafts = drafts or DraftsInFlight()  # the draft clients' counter: told to the target
 
-    def verify(self, session_id, committed_ids, draft: Draft, sampling: SamplingConfig, seed,
-               decode: Decode = NO_DECODE) -> Verdict:
+    def verify(self, ctx: RequestContext, committed_ids: list[int], draft: Draft, decode: Decode = NO_DECODE
+               ) -> Verdict:
         response = self.call(self.stub.Verify, target_pb2.VerifyRequest(
-            session_id=session_id, committed_ids=committed_ids, draft_ids=draft.token_ids,
+            session_id=ctx.session_id, committed_ids=committed_ids, draft_ids=draft.token_ids,
             draft_distributions=[common_pb2.SparseDistribution(token_ids=i, probs=p) for i, p in draft.dists],
-            sampling=sampling_to_proto(sampling), seed=seed,
-            draft_in_flight=draft.drafting_meanwhile or DRAFTS_IN_FLIGHT.busy,
+            sampling=sampling_to_proto(ctx.sampling), seed=ctx.seed,
+            draft_in_flight=draft.drafting_meanwhile or self.drafts.busy,
             decode_steps=decode.steps, stop_token_ids=sorted(decode.stop_ids),
-        ))
+        ), ctx)
         return Verdict(response.num_accepted, response.next_token_id, response.compute_ms, response.batch_size,
                        logprobs_from_proto(response.logprobs), response.batch_tokens, response.threads,
                        response.batch_prefill_tokens, list(response.decoded_ids), max(1, response.passes),
@@ -214,4 +199,4 @@ class TargetClient(WorkerClient):
         self.call(self.stub.ReleaseTargetCache, target_pb2.ReleaseTargetCacheRequest(session_id=session_id))
 
     def model_info(self, retry_budget_s: float | None = None) -> common_pb2.ModelInfo:
-        return self.call(self.stub.GetTargetModel, target_pb2.GetTargetModelRequest(), retry_budget_s).model
+        return self.call(self.stub.GetTargetModel, target_pb2.GetTargetModelRequest(), retry_budget_s=retry_budget_s).model

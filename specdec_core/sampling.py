@@ -139,6 +139,9 @@ def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     return probs
 
 
+SparseDist = tuple[list[int], list[float]]  # a distribution's support and its probabilities
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """A chosen token's log-probability and the `top` most likely tokens' (impossible ones left out)."""

@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from coordinator.cancel import call_cancel
 from coordinator.loop import NO_DECODE, Draft, Speculator, Verdict, _Bet
+from coordinator.request import RequestContext
 from specdec_core.errors import ResourceExhausted
 from specdec_core.sampling import SamplingConfig
 
@@ -28,9 +28,9 @@ class ScriptedProposer:
         self.bets_cancelled = 0
         self.release = threading.Event()
 
-    def propose(self, session_id, committed_ids, num_tokens, sampling, seed, min_confidence=0.0):
+    def propose(self, ctx, committed_ids, num_tokens):
         self.calls.append((len(committed_ids), num_tokens))
-        token = call_cancel.get()
+        token = ctx.cancel
         if token is not None:
             while not self.release.is_set():
                 if token.is_cancelled:
@@ -46,7 +46,7 @@ class ScriptedVerifier:
     def __init__(self, accepted: int, next_tokens: list[int]):
         self.accepted, self.next_tokens = accepted, list(next_tokens)
 
-    def verify(self, session_id, committed_ids, draft, sampling, seed, decode=NO_DECODE):
+    def verify(self, ctx, committed_ids, draft, decode=NO_DECODE):
         return Verdict(min(self.accepted, len(draft.token_ids)), self.next_tokens.pop(0))
 
 
@@ -60,7 +60,7 @@ def wait_warm(spec: Speculator) -> None:
 def test_first_rounds_decode_plainly_while_the_draft_warms_up():
     proposer = ScriptedProposer()
     with ThreadPoolExecutor(2) as pool:
-        spec = Speculator("s", GREEDY, 0, proposer, ScriptedVerifier(3, [10, 11, 14, 15]), pool)
+        spec = Speculator(RequestContext("s", GREEDY), proposer, ScriptedVerifier(3, [10, 11, 14, 15]), pool)
         first = spec.round([1, 2, 3], 3)  # the draft is prefilling: nothing to verify yet
         second = spec.round([1, 2, 3, 10], 3)  # still prefilling
         proposer.release.set()
@@ -77,7 +77,7 @@ def test_turning_to_the_draft_mid_request_decodes_plainly_while_it_catches_up():
     the round must not wait for its prefill (the method gate turns every session to it at once)."""
     proposer = ScriptedProposer()  # the warm-up blocks until released: a round that waited would hang
     with ThreadPoolExecutor(2) as pool:
-        spec = Speculator("s", GREEDY, 0, proposer, ScriptedVerifier(3, [10, 11, 12, 16]), pool)
+        spec = Speculator(RequestContext("s", GREEDY), proposer, ScriptedVerifier(3, [10, 11, 12, 16]), pool)
         plain = [spec.round([1, 2, 3], 0), spec.round([1, 2, 3, 10], 0)]
         turned = spec.round([1, 2, 3, 10, 11], 3)
         proposer.release.set()
@@ -94,7 +94,7 @@ def test_turning_away_from_the_draft_cancels_its_warm_up():
     to its share of the cores, and a later turn to the draft warms up again."""
     proposer = ScriptedProposer()  # the warm-up blocks until released or cancelled
     with ThreadPoolExecutor(2) as pool:
-        spec = Speculator("s", GREEDY, 0, proposer, ScriptedVerifier(3, [10, 11, 12]), pool)
+        spec = Speculator(RequestContext("s", GREEDY), proposer, ScriptedVerifier(3, [10, 11, 12]), pool)
         turned = spec.round([1, 2, 3], 3)
         assert turned.draft.drafting_meanwhile  # the warm-up runs: the target keeps to its share
         spec.drop_warm_up()  # what the coordinator does when its policy chooses another method
@@ -112,7 +112,7 @@ def test_turning_away_from_the_draft_cancels_its_warm_up():
 class Lookup:
     """Another proposer (as the coordinator's n-gram lookup): proposes 10, 11, ... at once."""
 
-    def propose(self, session_id, committed_ids, num_tokens, sampling, seed, min_confidence=0.0):
+    def propose(self, ctx, committed_ids, num_tokens):
         return Draft([10 + i for i in range(num_tokens)], from_worker=False)
 
 
@@ -122,7 +122,7 @@ def test_a_stand_in_round_while_the_draft_warms_up_leaves_the_warm_up_running():
     ready."""
     proposer = ScriptedProposer()
     with ThreadPoolExecutor(2) as pool:
-        spec = Speculator("s", GREEDY, 0, proposer, ScriptedVerifier(0, [10, 13, 14, 15]), pool)
+        spec = Speculator(RequestContext("s", GREEDY), proposer, ScriptedVerifier(0, [10, 13, 14, 15]), pool)
         assert not spec.warming_up
         first = spec.round([1, 2, 3], 3)  # the warm-up starts: plain
         assert spec.warming_up
@@ -141,7 +141,7 @@ def test_sampled_requests_wait_for_the_draft_so_that_seeds_stay_reproducible():
     proposer.release.set()
     sampled = SamplingConfig(temperature=1.0)
     with ThreadPoolExecutor(2) as pool:
-        spec = Speculator("s", sampled, 0, proposer, ScriptedVerifier(3, [10]), pool)
+        spec = Speculator(RequestContext("s", sampled), proposer, ScriptedVerifier(3, [10]), pool)
         first = spec.round([1, 2, 3], 3)
     assert first.num_drafted == 3 and spec._warmup is None
 
@@ -150,7 +150,7 @@ def test_a_lost_bet_is_cancelled_not_awaited():
     proposer = ScriptedProposer()
     proposer.release.set()
     with ThreadPoolExecutor(2) as pool:
-        spec = Speculator("s", GREEDY, 0, proposer, ScriptedVerifier(1, [10, 99]), pool)
+        spec = Speculator(RequestContext("s", GREEDY), proposer, ScriptedVerifier(1, [10, 99]), pool)
         spec.round([1, 2, 3], 3)
         wait_warm(spec)
         proposer.release.clear()
@@ -168,7 +168,7 @@ def test_a_won_bet_is_the_next_block():
     proposer.release.set()
     # every draft accepted; the bonus token is each bet's first guess
     with ThreadPoolExecutor(2) as pool:
-        spec = Speculator("s", GREEDY, 0, proposer, ScriptedVerifier(3, [10, 10, 10]), pool)
+        spec = Speculator(RequestContext("s", GREEDY), proposer, ScriptedVerifier(3, [10, 10, 10]), pool)
         spec.round([1, 2, 3], 3)
         wait_warm(spec)
         second = spec.round([1, 2, 3, 10], 3)
@@ -196,6 +196,6 @@ def test_a_draft_without_room_makes_that_round_plain():
         def propose(self, *args, **kwargs):
             raise ResourceExhausted("draft KV cache full: no room for session 's' now")
 
-    spec = Speculator("s", GREEDY, 0, Full(), ScriptedVerifier(3, [42]))
+    spec = Speculator(RequestContext("s", GREEDY), Full(), ScriptedVerifier(3, [42]))
     rnd = spec.round([1, 2, 3], 4)
     assert rnd.new_ids == [42] and rnd.num_drafted == 0  # K = 0 for this session, this round

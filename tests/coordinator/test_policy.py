@@ -6,25 +6,13 @@ from __future__ import annotations
 import pytest
 
 from coordinator.loop import Draft, Round, Verdict
-from coordinator.policy import (
-    ALL,
-    NGRAM_ONLY,
-    PLAIN,
-    FIXED,
-    MODEL,
-    NGRAM,
-    NONE,
-    PROBE_EVERY,
-    Costs,
-    MethodGate,
-    Choice,
-    Line,
-    Measure,
-    SpeculationPolicy,
-    expected_tokens,
-)
+from coordinator.policy import FIXED, Choice, Costs, MethodGate, SpeculationPolicy, expected_tokens
+from coordinator.policy.chooser import PROBE_EVERY
+from coordinator.policy.costs import Line
+from coordinator.policy.gate import ALL, NGRAM_ONLY, PLAIN, Measure
+from coordinator.request import DraftMethod
 
-BOTH = frozenset({MODEL, NGRAM})
+BOTH = frozenset({DraftMethod.MODEL, DraftMethod.NGRAM})
 
 
 def a_round(new_ids: list[int], drafted: int = 0, accepted: int = 0, *, batch: int = 1, tokens: int = 1,
@@ -75,9 +63,9 @@ def trained(policy: SpeculationPolicy, accepted_of_5: int, **costs) -> Speculati
 def test_alone_with_a_cheap_draft_that_is_right_it_speculates_with_the_model():
     costs = Costs()
     feed(costs, batch=1, verify={1: (20.0, 2.0), 2: (15.0, 2.0)}, draft_ms_per_token=4.0)
-    policy = trained(SpeculationPolicy(costs, frozenset({MODEL}), overlap=True), accepted_of_5=5)
+    policy = trained(SpeculationPolicy(costs, frozenset({DraftMethod.MODEL}), overlap=True), accepted_of_5=5)
     choice = policy.choose([1, 2, 3], max_k=100)
-    assert choice.method == MODEL and choice.k >= 5
+    assert choice.method == DraftMethod.MODEL and choice.k >= 5
     assert policy.choose([1, 2, 3], max_k=2).k <= 2  # the round's cap (tokens left, context) holds
 
 
@@ -89,12 +77,12 @@ def test_while_the_draft_warms_up_the_models_rounds_go_to_the_best_other_method(
     policy = trained(SpeculationPolicy(costs, BOTH, overlap=True), accepted_of_5=5)
     text = [5, 6, 7, 8, 9, 10, 11, 12]
     committed = [1, 2] + text + [3] + text[:2]
-    assert policy.choose(committed, max_k=100).method == MODEL
+    assert policy.choose(committed, max_k=100).method == DraftMethod.MODEL
     stand_in = policy.choose(committed, max_k=100, model_ready=False)
-    assert stand_in.method == NGRAM and stand_in.stand_in and stand_in.k > 0
+    assert stand_in.method == DraftMethod.NGRAM and stand_in.stand_in and stand_in.k > 0
     plain = policy.choose([40, 41, 42], max_k=100, model_ready=False)  # no lookup: plain decoding stands in
-    assert (plain.method, plain.k, plain.stand_in) == (NONE, 0, True)
-    assert policy.choose(committed, max_k=100).method == MODEL  # ready: the model's turn again
+    assert (plain.method, plain.k, plain.stand_in) == (DraftMethod.NONE, 0, True)
+    assert policy.choose(committed, max_k=100).method == DraftMethod.MODEL  # ready: the model's turn again
 
 
 def test_a_switch_to_the_model_is_valued_without_a_bet_to_find():
@@ -103,11 +91,11 @@ def test_a_switch_to_the_model_is_valued_without_a_bet_to_find():
     costs = Costs()
     feed(costs, batch=1, verify={1: (20.0, 2.0), 2: (15.0, 2.0)}, draft_ms_per_token=4.0)
     policy = SpeculationPolicy(costs, BOTH, overlap=True)
-    policy._method = NGRAM
+    policy._method = DraftMethod.NGRAM
     switching = policy._model(5, 0.9).gain
     sequential = costs.verify_ms(6, solo=False) + costs.draft_ms(5, 1)
     assert switching == pytest.approx(expected_tokens(0.9, 5) / sequential)
-    policy._method = MODEL
+    policy._method = DraftMethod.MODEL
     assert policy._model(5, 0.9).gain > 1.2 * switching
 
 
@@ -116,23 +104,24 @@ def test_under_load_it_decodes_plainly_and_spends_nothing_on_retrying_the_draft(
     cores 36 ms. However well the draft guesses, drafting for everyone serves fewer tokens."""
     costs = Costs()
     feed(costs, batch=8, verify={1: (30.0, 1.5), 2: (24.0, 1.5)}, draft_ms_per_token=60.0)
-    policy = trained(SpeculationPolicy(costs, frozenset({MODEL}), overlap=True), accepted_of_5=4, batch=8,
+    policy = trained(SpeculationPolicy(costs, frozenset({DraftMethod.MODEL}), overlap=True), accepted_of_5=4, batch=8,
                      tokens=48, verify_ms=30 + 1.5 * 48, draft_ms_per_token=60.0)
     choices = [policy.choose(list(range(50)), max_k=100) for _ in range(4 * PROBE_EVERY)]
-    assert {c.method for c in choices} == {NONE}
+    assert {c.method for c in choices} == {DraftMethod.NONE}
 
 
 def test_a_draft_that_is_wrong_is_turned_off_and_retried_now_and_then():
     costs = Costs()
     feed(costs, batch=1, verify={1: (20.0, 2.0)}, draft_ms_per_token=4.0)
-    policy = trained(SpeculationPolicy(costs, frozenset({MODEL}), overlap=False), accepted_of_5=0)
+    policy = trained(SpeculationPolicy(costs, frozenset({DraftMethod.MODEL}), overlap=False), accepted_of_5=0)
     choices = []
     for _ in range(3 * PROBE_EVERY):
         choice = policy.choose(list(range(50)), max_k=100)
         choices.append(choice.method)
-        policy.observe(a_round([7], min(choice.k, 5), 0) if choice.method == MODEL else a_round([7]))
-    assert choices.count(MODEL) == 3 and choices[PROBE_EVERY - 1] == MODEL  # one round in PROBE_EVERY
-    assert trained(policy, accepted_of_5=5).choose([1], max_k=100).method == MODEL  # right again: back on
+        policy.observe(a_round([7], min(choice.k, 5), 0) if choice.method == DraftMethod.MODEL else a_round([7]))
+    assert choices.count(DraftMethod.MODEL) == 3  # one round in PROBE_EVERY
+    assert choices[PROBE_EVERY - 1] == DraftMethod.MODEL
+    assert trained(policy, accepted_of_5=5).choose([1], max_k=100).method == DraftMethod.MODEL  # right again: back on
 
 
 def test_ngram_is_scored_on_every_round_and_chosen_where_the_text_repeats():
@@ -146,8 +135,8 @@ def test_ngram_is_scored_on_every_round_and_chosen_where_the_text_repeats():
         policy.observe(a_round(text[2:3]))
     assert policy.runs.rates[True][0].value > 0.8 and policy.alpha.value == pytest.approx(0.7)
     choice = policy.choose(committed, max_k=100)
-    assert choice.method == NGRAM and choice.k > 1
-    assert policy.choose([40, 41, 42, 43], max_k=100).method != NGRAM  # no match: nothing to propose
+    assert choice.method == DraftMethod.NGRAM and choice.k > 1
+    assert policy.choose([40, 41, 42, 43], max_k=100).method != DraftMethod.NGRAM  # no match: nothing to propose
 
 
 def test_ngram_acceptance_is_learnt_in_runs_and_values_a_lookup_by_what_came_before_it():
@@ -156,7 +145,7 @@ def test_ngram_acceptance_is_learnt_in_runs_and_values_a_lookup_by_what_came_bef
     values an 8-token lookup at 1 token; the runs value it by what the last lookup did."""
     costs = Costs()
     feed(costs, batch=4, verify={1: (40.0, 4.0)}, draft_ms_per_token=30.0)
-    policy = SpeculationPolicy(costs, frozenset({NGRAM}), overlap=False)
+    policy = SpeculationPolicy(costs, frozenset({DraftMethod.NGRAM}), overlap=False)
     passage = list(range(100, 111))
     committed = [1] + passage + [1] + passage[:3]  # the lookup proposes passage[3:] + [1, 100]
     pass_of_8 = {"batch": 4, "tokens": 4 + 8, "verify_ms": 40.0 + 4.0 * 12}
@@ -169,11 +158,12 @@ def test_ngram_acceptance_is_learnt_in_runs_and_values_a_lookup_by_what_came_bef
             policy.observe(a_round([9], 8, 0, **pass_of_8))
     assert policy.runs.expected(True, 8) > 6 > 1.5 > policy.runs.expected(False, 8)
     after_a_miss = policy.choose(committed, max_k=100)
-    assert after_a_miss.method == NONE
+    assert after_a_miss.method == DraftMethod.NONE
     policy.observe(a_round(passage[3:5], 0, 0, batch=4, tokens=4, verify_ms=56.0))  # plain, matching the lookup
     after_a_hit = policy.choose(committed, max_k=100)
-    assert after_a_hit.method == NGRAM and after_a_hit.k == 8
-    fresh = SpeculationPolicy(costs, frozenset({NGRAM}), overlap=False)  # starts from what the others learnt
+    assert after_a_hit.method == DraftMethod.NGRAM and after_a_hit.k == 8
+    # starts from what the others learnt
+    fresh = SpeculationPolicy(costs, frozenset({DraftMethod.NGRAM}), overlap=False)
     assert fresh.runs.expected(True, 8) > 6
 
 
@@ -182,17 +172,19 @@ def test_sampled_requests_choose_from_fixed_costs():
     before = FIXED.verify_ms(1, solo=True), FIXED.draft_ms(4, 1), FIXED.batch
     feed(FIXED, batch=8, verify={1: (300.0, 5.0)}, draft_ms_per_token=90.0, ks=(0, 5))
     assert (FIXED.verify_ms(1, solo=True), FIXED.draft_ms(4, 1), FIXED.batch) == before
-    choices = [SpeculationPolicy(FIXED, frozenset({MODEL}), overlap=True).choose([1, 2], 100) for _ in range(2)]
-    assert choices[0] == choices[1] and choices[0].method == MODEL  # the prior speculates alone
+    model_only = frozenset({DraftMethod.MODEL})
+    choices = [SpeculationPolicy(FIXED, model_only, overlap=True).choose([1, 2], 100) for _ in range(2)]
+    assert choices[0] == choices[1] and choices[0].method == DraftMethod.MODEL  # the prior speculates alone
 
 
 def test_a_new_session_starts_from_what_the_sessions_before_it_learnt():
     costs = Costs()
     feed(costs, batch=1, verify={1: (20.0, 2.0)}, draft_ms_per_token=4.0)
-    first = SpeculationPolicy(costs, frozenset({MODEL}), overlap=False)
+    first = SpeculationPolicy(costs, frozenset({DraftMethod.MODEL}), overlap=False)
     for _ in range(40):
         first.observe(a_round([7], 5, 0))  # the draft is always wrong here
-    assert SpeculationPolicy(costs, frozenset({MODEL}), overlap=False).choose([1, 2], 100).method == NONE
+    second = SpeculationPolicy(costs, frozenset({DraftMethod.MODEL}), overlap=False)
+    assert second.choose([1, 2], 100).method == DraftMethod.NONE
     assert FIXED.prior_acceptance() == pytest.approx(0.7)  # sampled requests: always the same start
 
 
@@ -347,15 +339,15 @@ def test_a_gated_method_is_neither_chosen_nor_retried():
     text = [5, 6, 7, 8, 9, 10, 11, 12]
     committed = [1, 2] + text + [3] + text[:2]  # the lookup has a match
     with costs.running():
-        assert policy.choose(committed, 100).method == MODEL
+        assert policy.choose(committed, 100).method == DraftMethod.MODEL
     for _ in range(8):
         costs.active += 1
-    assert {policy.choose(committed, 100).method for _ in range(3 * PROBE_EVERY)} == {NONE}
+    assert {policy.choose(committed, 100).method for _ in range(3 * PROBE_EVERY)} == {DraftMethod.NONE}
     level.allowed = NGRAM_ONLY
     for _ in range(12):  # plain rounds that commit what the lookup proposed: n-gram scored meanwhile
         policy.choose(committed, 0)
         policy.observe(a_round(text[2:3]))
-    assert policy.choose(committed, 100).method == NGRAM
+    assert policy.choose(committed, 100).method == DraftMethod.NGRAM
 
 
 def test_under_load_the_gate_decides_the_model_draft_and_the_cost_model_decides_ngram():
@@ -364,7 +356,7 @@ def test_under_load_the_gate_decides_the_model_draft_and_the_cost_model_decides_
     modes in epochs misjudged traffic whose copying comes and goes within seconds)."""
     now = [0.0]
     costs = Costs()
-    assert all(NGRAM in mode for mode in costs.gate.modes) and costs.gate.modes[-1] == ALL
+    assert all(DraftMethod.NGRAM in mode for mode in costs.gate.modes) and costs.gate.modes[-1] == ALL
     costs.gate = MethodGate(clock=lambda: now[0], modes=costs.gate.modes)
     level = costs.gate._level(8)
     level.allowed, level.exploiting = NGRAM_ONLY, True
@@ -376,14 +368,14 @@ def test_under_load_the_gate_decides_the_model_draft_and_the_cost_model_decides_
     for _ in range(12):  # rounds whose next token the lookup got wrong
         policy.choose(committed, 100)
         policy.observe(a_round([99], batch=8, tokens=8, verify_ms=56.0))
-    assert policy.choose(committed, 100).method == NONE  # the model is gated off, the lookup loses
+    assert policy.choose(committed, 100).method == DraftMethod.NONE  # the model is gated off, the lookup loses
     for _ in range(12):  # rounds that commit the lookup
         choice = policy.choose(committed, 100)
         policy.observe(a_round(text[2:] + [7], choice.k, choice.k, batch=8, tokens=8 + choice.k,
                                verify_ms=40.0 + 2.0 * (8 + choice.k)))
-    assert policy.choose(committed, 100) == Choice(NGRAM, 10, policy.choose(committed, 100).gain)
+    assert policy.choose(committed, 100) == Choice(DraftMethod.NGRAM, 10, policy.choose(committed, 100).gain)
     costs.active = 1
-    assert policy.choose([40, 41, 42, 43], 100).method == MODEL  # alone the gate allows everything
+    assert policy.choose([40, 41, 42, 43], 100).method == DraftMethod.MODEL  # alone the gate allows everything
 
 
 def test_the_gate_measures_a_sessions_time_between_rounds_not_only_the_rounds_parts():
@@ -417,7 +409,7 @@ def test_plain_rounds_with_decoding_steps_are_valued_per_token():
     assert costs.verify_ms(8, solo=True, passes=4) == pytest.approx(4 * 40 + 30, rel=0.05)
     one = SpeculationPolicy(costs, frozenset(), overlap=False).choose([1, 2, 3], max_k=100)
     four = SpeculationPolicy(costs, frozenset(), overlap=False, decode_steps=3).choose([1, 2, 3], max_k=100)
-    assert one.method == four.method == NONE
+    assert one.method == four.method == DraftMethod.NONE
     assert one.gain == pytest.approx(1 / 70, rel=0.05) and four.gain == pytest.approx(4 / 190, rel=0.05)
     capped = SpeculationPolicy(costs, frozenset(), overlap=False, decode_steps=3).choose([1, 2, 3], max_k=1)
     assert capped.gain == pytest.approx(2 / 110, rel=0.05)  # one token left after the verdict's: one step

@@ -197,8 +197,9 @@ def test_a_retry_that_read_the_record_before_its_request_finished_only_replays_i
     from before the finish; the coordinator runs in this process, on the stack's workers and Redis."""
     from coordinator.__main__ import worker_pools
     from coordinator.config import CoordinatorConfig
-    from coordinator.generation import Generation, GenerationRequest, Limits
+    from coordinator.generation import Generation
     from coordinator.ngram import NgramProposer
+    from coordinator.request import GenerationRequest, Limits
     from specdec_core.redis_client import connect_redis
     from coordinator.sessions import SessionStore
     from coordinator.text import TextCodec
@@ -206,12 +207,11 @@ def test_a_retry_that_read_the_record_before_its_request_finished_only_replays_i
 
     cfg = CoordinatorConfig.from_args(["--redis-url", stack.redis_url, "--target", stack.address("target"),
                                        "--draft", stack.address("draft")])
-    routes: dict = {}
-    target, draft = worker_pools(cfg, routes)
+    target, draft = worker_pools(cfg)
     info = target.model_info(60)
     store = SessionStore(connect_redis(stack.redis_url))
     generation = Generation(store, TextCodec(load_tokenizer(stack.target_model), "tiny"), draft, NgramProposer(),
-                            target, Limits(info.vocab_size, info.max_context, 64, K), routes)
+                            target, Limits(info.vocab_size, info.max_context, 64, K))
     request = GenerationRequest(token_ids=PROMPT, max_new_tokens=N, num_speculative_tokens=K,
                                 request_id="finished-meanwhile")
     first = [t for chunk in generation.run(request) for t in chunk.token_ids]

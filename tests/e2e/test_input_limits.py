@@ -11,15 +11,9 @@ import grpc
 import pytest
 import redis
 
-from coordinator.generation import (
-    CHARS_PER_TOKEN,
-    MAX_STOP_CHARS,
-    MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS,
-    Generation,
-    GenerationRequest,
-    Limits,
-)
+from coordinator.generation import Generation
+from coordinator.request import GenerationRequest, Limits
+from coordinator.validation import CHARS_PER_TOKEN, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from stacks import status_of
 from specdec import Client
 from specdec.client import build_input

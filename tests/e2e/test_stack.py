@@ -238,23 +238,26 @@ def test_switching_method_and_k_mid_request_is_lossless(tiny_stack, hf_greedy, m
 
     from coordinator.__main__ import worker_pools
     from coordinator.config import CoordinatorConfig
-    from coordinator.generation import Generation, GenerationRequest, Limits
+    from coordinator.generation import Generation
     from coordinator.loop import Speculator
     from coordinator.ngram import NgramProposer
-    from coordinator.policy import MODEL, NGRAM, NONE, Choice, SpeculationPolicy
+    from coordinator.request import GenerationRequest, Limits
+    from coordinator.policy import Choice, SpeculationPolicy
+    from coordinator.request import DraftMethod
     from coordinator.sessions import SessionStore
     from coordinator.text import TextCodec
     from specdec_core.models import load_tokenizer
     from specdec_core.redis_client import connect_redis
 
-    script = [Choice(MODEL, 3), Choice(NGRAM, 4), Choice(NONE, 0), Choice(MODEL, 1), Choice(MODEL, 6),
-              Choice(NGRAM, 2), Choice(MODEL, 2)]
+    script = [Choice(DraftMethod.MODEL, 3), Choice(DraftMethod.NGRAM, 4), Choice(DraftMethod.NONE, 0),
+              Choice(DraftMethod.MODEL, 1), Choice(DraftMethod.MODEL, 6), Choice(DraftMethod.NGRAM, 2),
+              Choice(DraftMethod.MODEL, 2)]
 
     def scripted(self, ids: list[int], max_k: int, model_ready: bool = True) -> Choice:
         self.calls = getattr(self, "calls", 0) + 1  # the first round drafts by n-gram
         choice = script[self.calls % len(script)]
-        if choice.method == MODEL and not model_ready:  # the draft warms up: n-gram stands in, as the policy does
-            return Choice(NGRAM, min(4, max_k), stand_in=True)
+        if choice.method == DraftMethod.MODEL and not model_ready:  # the draft warms up: n-gram stands in,
+            return Choice(DraftMethod.NGRAM, min(4, max_k), stand_in=True)  # as the policy does
         return Choice(choice.method, min(choice.k, max_k))
 
     def settled(self) -> bool:  # a warm-up ends before the next choice, however busy the machine: a
@@ -268,12 +271,11 @@ def test_switching_method_and_k_mid_request_is_lossless(tiny_stack, hf_greedy, m
     monkeypatch.setattr(Speculator, "warming_up", property(settled))
     cfg = CoordinatorConfig.from_args(["--redis-url", tiny_stack.redis_url, "--target", tiny_stack.address("target"),
                                        "--draft", tiny_stack.address("draft")])
-    routes: dict = {}
-    target, draft = worker_pools(cfg, routes)
+    target, draft = worker_pools(cfg)
     info = target.model_info(60)
     generation = Generation(SessionStore(connect_redis(tiny_stack.redis_url)),
                             TextCodec(load_tokenizer(tiny_stack.target_model), "tiny"), draft, NgramProposer(), target,
-                            Limits(info.vocab_size, info.max_context, 64, 5, overlap=True), routes)
+                            Limits(info.vocab_size, info.max_context, 64, 5, overlap=True))
     start = threading.Barrier(len(POLICY_PROMPTS))
 
     def run(ids: list[int]):

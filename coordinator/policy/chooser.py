@@ -1,0 +1,194 @@
+"""One session's choice, round by round, of the draft method and K: the one with the most expected
+tokens per millisecond of the round's predicted wall time (Leviathan et al., arXiv 2211.17192,
+section 3.4, with the costs of `costs.py` at the current load n):
+
+    none     (s + 1) V_solo(n) + o_v, serving s + 1 tokens: s plain decoding steps follow the verdict
+             in the same call (multi-step decoding, the coordinator's --decode-steps)
+    n-gram   V_solo(n + K) + o_v, serving n - 1 + E tokens: this session's block joins a pass of n
+    model    V(n (K + 1)) + o_v + D(n) K + o_d
+             with overlap, when the bet wins (probability alpha^(K+1)): the larger of the two parts,
+             and V_shared (the next block drafts during the pass), else V_solo; a switch to the
+             model from another method has no bet to find
+
+E is the expected tokens of `acceptance.py`: E(alpha, K) for the model, the runs for n-gram. The
+model draft is weighed as if every session at this load drafted alike: the draft worker is shared,
+and one session's drafting slows everyone. K = 0 needs no acceptance: its cost is V_solo, which every
+plain pass measures (a call of several passes reports their mean).
+
+Acceptance is per session and per method, starting from what this coordinator's sessions have seen
+lately. n-gram's is scored on every round for free: its lookup for the committed tokens is compared
+with what the target commits. The model draft's is learnt when it drafts; while something else wins,
+it is retried for one round every PROBE_EVERY, and only if an optimistic acceptance would make it the
+best choice at the current costs.
+
+With two or more requests running, the costs' gate says whether the draft model may be used at all.
+A sampled request uses FIXED costs, no gate, and its own acceptance, which are functions of its tokens
+and seed alone: which positions were drafted decides which keyed draws make a sampled token, so its
+choices must not depend on timing or on other sessions.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from coordinator.ngram import NgramProposer
+from coordinator.policy.acceptance import LOOKUP_TOKENS, OPTIMISTIC_ALPHA, Rate, expected_tokens
+from coordinator.policy.costs import Costs
+from coordinator.policy.gate import ALL
+from coordinator.request import DraftMethod
+
+if TYPE_CHECKING:
+    from coordinator.loop import Round
+
+log = logging.getLogger(__name__)
+
+MODEL_KS = range(1, 9)
+NGRAM_KS = range(1, LOOKUP_TOKENS + 1)
+PROBE_EVERY = 16
+SWITCH_MARGIN = 0.03  # keep the current method unless another is this much better (a switch drops a bet)
+
+
+@dataclass(frozen=True)
+class Choice:
+    method: DraftMethod
+    k: int
+    gain: float = 0.0  # expected tokens per millisecond
+    stand_in: bool = False  # the draft model's turn, taken by another method while the draft warms up
+
+
+def _rank(choice: Choice) -> tuple[float, int]:
+    """The most tokens per ms, then the shorter block."""
+    return choice.gain, -choice.k
+
+
+class SpeculationPolicy:
+    """One session's choices. `methods`: what it may draft with (K = 0 is always a candidate)."""
+
+    def __init__(self, costs: Costs, methods: frozenset[DraftMethod], overlap: bool, max_k: int | None = None,
+                 ngram: NgramProposer | None = None, decode_steps: int = 0):
+        self.costs, self.methods, self.overlap, self.max_k = costs, methods, overlap, max_k
+        self.decode_steps = decode_steps  # plain steps a round without a draft takes after its verdict
+        self.ngram = ngram or NgramProposer()  # whose lookup n-gram rounds would propose
+        self.alpha = Rate(costs.prior_acceptance())  # the draft model's acceptance
+        self.runs = costs.prior_runs()  # n-gram's
+        self._hit = False  # the last lookup's first token was accepted
+        self._lookup: list[int] = []
+        self._since_model = 0
+        self._method = DraftMethod.NONE
+        self._rounds = 0
+        self._last_round: float | None = None  # when the previous round was observed (the gate's clock)
+
+    def choose(self, committed_ids: list[int], max_k: int, model_ready: bool = True) -> Choice:
+        """This round's method and K, at most max_k (and the policy's own ceiling). Where the draft
+        model cannot serve the round (`model_ready` false: while it prefills the session's context,
+        its warm-up when the policy first turns to it), a round it wins goes to the best of the other
+        methods instead (a stand-in), and the model keeps its turn: the round would otherwise be plain
+        decoding, one token a pass, for as long as the draft prefills, where n-gram copying from the
+        prompt serves more."""
+        steps = min(self.decode_steps, max(0, max_k))  # what the coordinator asks a plain round for
+        max_k = max_k if self.max_k is None else min(max_k, self.max_k)
+        self._lookup = (self.ngram.continuation(committed_ids, LOOKUP_TOKENS)
+                        if DraftMethod.NGRAM in self.methods else [])
+        plain = self.costs.verify_ms(self.costs.load, solo=True, passes=steps + 1)
+        options = [Choice(DraftMethod.NONE, 0, (steps + 1) / plain)]
+        if max_k <= 0:
+            return options[0]
+        allowed = self.methods & (self.costs.gate.allowed(self.costs.active) if self.costs.learns else ALL)
+        options += self._drafting(allowed, max_k)
+        best = self._keep_or_switch(options)
+        if DraftMethod.MODEL in allowed and best.method != DraftMethod.MODEL:
+            best = self._probe(best, max_k)
+        if best.method == DraftMethod.MODEL:
+            self._since_model = 0
+            if not model_ready:
+                self._method = DraftMethod.MODEL
+                stand_in = max((c for c in options if c.method != DraftMethod.MODEL), key=_rank)
+                return replace(stand_in, stand_in=True)
+        if log.isEnabledFor(logging.DEBUG):
+            self._log(best, options[0])
+        self._method = best.method
+        return best
+
+    def observe(self, rnd: Round) -> None:
+        """Learn from the round just verified: the costs (shared), each method's acceptance."""
+        self.costs.observe(rnd)
+        now = self.costs.gate.clock()
+        if self.costs.learns and self._rounds:  # not the first round: it prefilled
+            # the session's time since its previous round, when longer than the round's own parts:
+            # what the session waited between its rounds is time the mode cost it too (a draft model
+            # under load: the coordinator's turn, the queue for the draft worker's batches)
+            since = (now - self._last_round) * 1e3 if self._last_round is not None else 0.0
+            self.costs.gate.observe(self.costs.active, len(rnd.new_ids), max(rnd.draft_ms + rnd.verify_ms, since))
+        self._last_round = now
+        self._rounds += 1
+        if rnd.num_drafted and rnd.draft.from_worker:
+            successes, trials = rnd.num_accepted, min(rnd.num_drafted, rnd.num_accepted + 1)
+            self.alpha.add(successes, trials)
+            self.costs.observe_acceptance(successes, trials)
+        if self._lookup:  # scored for free, whatever the round drafted
+            seen = min(len(self._lookup), len(rnd.new_ids))
+            matched = next((i for i in range(seen) if self._lookup[i] != rnd.new_ids[i]), seen)
+            self.runs.add(self._hit, matched, seen)
+            self.costs.observe_lookup(self._hit, matched, seen)
+        self._hit = bool(self._lookup) and rnd.new_ids[:1] == self._lookup[:1]
+
+    def _drafting(self, allowed: frozenset[DraftMethod], max_k: int) -> list[Choice]:
+        """Every allowed method's candidates, K by K."""
+        options = []
+        if self._lookup and DraftMethod.NGRAM in allowed:
+            options += [self._ngram(k, max_k) for k in NGRAM_KS if k <= min(max_k, len(self._lookup))]
+        if DraftMethod.MODEL in allowed:
+            alpha = self.alpha.value
+            options += [self._model(k, alpha) for k in MODEL_KS if k <= max_k]
+        return options
+
+    def _keep_or_switch(self, options: list[Choice]) -> Choice:
+        """The best option, or the current method's best within SWITCH_MARGIN of it."""
+        best = max(options, key=_rank)
+        current = max((c for c in options if c.method == self._method), key=lambda c: c.gain, default=None)
+        if current is not None and current.gain >= best.gain * (1 - SWITCH_MARGIN):
+            return current
+        return best
+
+    def _probe(self, best: Choice, max_k: int) -> Choice:
+        """Every PROBE_EVERY rounds the model loses, one model round if OPTIMISTIC_ALPHA would win."""
+        self._since_model += 1
+        if self._since_model < PROBE_EVERY:
+            return best
+        self._since_model = 0
+        hope = max((self._model(k, OPTIMISTIC_ALPHA) for k in MODEL_KS if k <= max_k), key=lambda c: c.gain)
+        return hope if hope.gain > best.gain else best
+
+    def _ngram(self, k: int, max_k: int) -> Choice:
+        """This session's K tokens join a pass of n sessions, and its plain decoding steps follow as
+        after a plain round: what the call serves per session, the (n - 1) others' tokens (one per
+        pass) plus this one's, over the passes all of them wait for, the first longer by K tokens (the
+        lookup matched now, which the others' may not have: a symmetric guess would overrate it)."""
+        n, steps = self.costs.load, min(self.decode_steps, max_k - k)
+        tokens = n * (steps + 1) + self.runs.expected(self._hit, k)
+        first = self.costs.verify_ms(n + k, solo=True)  # one call: its overhead once
+        ms = first + self.costs.verify_ms(n, solo=True, passes=steps) - self.costs.verify_overhead_ms
+        return Choice(DraftMethod.NGRAM, k, tokens / (n * ms))
+
+    def _model(self, k: int, alpha: float) -> Choice:
+        """With overlap, a round after a model round finds its block drafted during the last pass when
+        that pass's bet won; a round after another method's has none to find (it drafts, then
+        verifies), and is valued so."""
+        n = self.costs.load
+        verify = self.costs.verify_ms(n * (k + 1), solo=not self.overlap)  # with overlap a bet drafts meanwhile
+        draft = self.costs.draft_ms(k, n)
+        ms = verify + draft
+        if self.overlap and self._method == DraftMethod.MODEL:
+            wins = alpha ** (k + 1)
+            ms = wins * max(verify, draft) + (1 - wins) * ms
+        return Choice(DraftMethod.MODEL, k, expected_tokens(alpha, k) / ms)
+
+    def _log(self, best: Choice, plain: Choice) -> None:
+        n = self.costs.load
+        log.debug("policy: %s K=%d at n=%.1f: %.4f tok/ms (none %.4f); alpha model %.2f; n-gram %.2f of %d; "
+                  "V solo %.1f shared %.1f ms, D %.1f ms/token", best.method.value, best.k, n, best.gain,
+                  plain.gain, self.alpha.value, self.runs.expected(self._hit, LOOKUP_TOKENS), LOOKUP_TOKENS,
+                  self.costs.verify_ms(n, solo=True), self.costs.verify_ms(n * (best.k + 1), solo=False),
+                  self.costs.draft_ms(1, n) - self.costs.draft_overhead_ms)

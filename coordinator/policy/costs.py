@@ -1,0 +1,186 @@
+"""The workers' costs, as this coordinator measures them at the current load (milliseconds):
+
+- V(t): the target's forward pass over t tokens (all sessions together), a line fitted to what the
+  target reports about every pass, one line per thread count: with --solo-threads the target uses
+  more cores while no draft worker drafts (V_solo) than while one does (V_shared).
+- D(s): the draft worker's milliseconds per proposed token with s sessions in its batch, a power
+  law fitted the same way in log space (a prior of linear growth, as on a CPU; data from several
+  batch sizes decide the exponent, near 0 on a GPU).
+- o_v, o_d: what a call costs beyond the model (RPC, queueing), measured.
+- n: sessions per target pass (smoothed), or the requests running in this coordinator now if more
+  (a burst is known before its passes are measured).
+
+`Costs` also holds what every session here shares: the method gate, and the acceptance a new
+session starts from. `FIXED` learns nothing: the prior costs at n = 1, for sampled requests, whose
+choices must depend on nothing that timing or other sessions change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from coordinator.policy.acceptance import OPTIMISTIC_ALPHA, Rate, Runs
+from coordinator.policy.gate import GATED, MethodGate
+
+if TYPE_CHECKING:
+    from coordinator.loop import Round
+
+# A pass or draft batch that prefilled more than this per session says little of a round's cost.
+PREFILL_PER_SESSION = 2
+
+
+class Line:
+    """y = a + b x by least squares over exponentially forgotten observations, with the slope pulled
+    towards a prior slope (which decides it while every x seen is the same); the prior line until
+    something is seen."""
+
+    def __init__(self, a: float, b: float, slope_weight: float = 1.0, forget: float = 0.97):
+        self.a, self.b, self.slope_weight, self.forget = a, b, slope_weight, forget
+        self._sums = [0.0] * 5  # sum of w, wx, wxx, wy, wxy over observations
+        self.count = 0
+
+    def observe(self, x: float, y: float) -> None:
+        s = [v * self.forget for v in self._sums]
+        self._sums = [s[0] + 1, s[1] + x, s[2] + x * x, s[3] + y, s[4] + x * y]
+        self.count += 1
+
+    def fit(self) -> tuple[float, float]:
+        """(a, b): the prior's until something is seen."""
+        w, wx, wxx, wy, wxy = self._sums
+        if not self.count:
+            return self.a, self.b
+        # minimise sum w (a + b x - y)^2 + slope_weight (b - b0)^2, with a = (wy - b wx) / w
+        slope = (wxy - wx * wy / w + self.slope_weight * self.b) / (wxx - wx * wx / w + self.slope_weight)
+        return (wy - slope * wx) / w, slope
+
+    def __call__(self, x: float) -> float:
+        a, b = self.fit()
+        b = max(0.0, b)  # a cost never falls with more work
+        return max(0.01, a + b * x) if self.count else a + b * x
+
+
+class PowerLaw(Line):
+    """y = a x^b, a Line through (log x, log y): a cost that grows with the sessions of a batch,
+    linearly (b = 1) where compute bounds it, hardly at all (b near 0) where memory does."""
+
+    def observe(self, x: float, y: float) -> None:
+        super().observe(math.log(x), math.log(max(y, 1e-3)))
+
+    def __call__(self, x: float) -> float:
+        if not self.count:
+            return self.a * x ** self.b
+        log_a, b = self.fit()
+        return math.exp(log_a + b * math.log(x))
+
+
+@dataclass(frozen=True)
+class Prior:
+    """Costs before anything is measured, and always for sampled requests (milliseconds)."""
+
+    verify_ms: float = 20.0  # per pass
+    verify_ms_per_token: float = 1.5
+    draft_ms_per_token: float = 4.0  # one session
+    draft_growth: float = 1.0  # per token with s sessions: draft_ms_per_token * s^draft_growth (CPU: linear)
+    verify_overhead_ms: float = 3.0
+    draft_overhead_ms: float = 2.0
+
+
+class Costs:
+    """The workers' costs as this coordinator measures them, shared by all its sessions. With
+    `learns` false nothing changes it: not rounds, not acceptance, not requests running."""
+
+    def __init__(self, prior: Prior = Prior(), learns: bool = True, smoothing: float = 0.1):
+        self.prior, self.learns, self.smoothing = prior, learns, smoothing
+        self._verify: dict[int, Line] = {}  # threads -> V
+        self._unmeasured = Line(prior.verify_ms, prior.verify_ms_per_token)  # V before any pass is seen
+        self._draft = PowerLaw(prior.draft_ms_per_token, prior.draft_growth)
+        self.verify_overhead_ms = prior.verify_overhead_ms
+        self.draft_overhead_ms = prior.draft_overhead_ms
+        self.batch = 1.0
+        self.active = 0  # requests running now (the coordinator keeps it)
+        self.gate = MethodGate(modes=GATED)
+        # acceptance over every session here: where a new session starts from
+        self.acceptance = Rate(OPTIMISTIC_ALPHA, forget=0.98)  # the draft model's
+        self.runs = Runs(forget=0.98)
+        self._lock = threading.Lock()
+
+    def observe(self, rnd: Round) -> None:
+        if not self.learns:
+            return
+        v, d, s = rnd.verdict, rnd.draft, self.smoothing
+        with self._lock:
+            if v is not None and 0 < v.batch_tokens and v.batch_prefill_tokens <= PREFILL_PER_SESSION * v.batch_size:
+                # a pass's mean cost at its mean tokens (the line is linear, so the mean of the costs is
+                # the cost of the mean): the verdict's pass alone would charge an n-gram block's
+                # tokens to the plain decoding steps after it, and underrate what a token costs
+                tokens = v.pass_tokens / v.passes if v.pass_tokens else v.batch_tokens
+                self._line(v.threads).observe(tokens, v.compute_ms / v.passes)
+                self.verify_overhead_ms += s * (max(0.0, rnd.verify_ms - v.compute_ms) - self.verify_overhead_ms)
+                self.batch += s * (v.batch_size - self.batch)
+            if (d.from_worker and d.batch_size > 0 and rnd.num_drafted > 0
+                    and d.batch_prefill_tokens <= PREFILL_PER_SESSION * d.batch_size):
+                self._draft.observe(d.batch_size, d.compute_ms / max(d.proposed, rnd.num_drafted))
+                if rnd.draft_ms > d.compute_ms:  # a proposal waited for (not a bet that was ready)
+                    self.draft_overhead_ms += s * (rnd.draft_ms - d.compute_ms - self.draft_overhead_ms)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Count a request as running while it is inside (costs that learn only: the others plan for one)."""
+        if not self.learns:
+            yield
+            return
+        with self._lock:
+            self.active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.active -= 1
+
+    @property
+    def load(self) -> float:
+        """Sessions per pass to plan for."""
+        return max(self.batch, self.active) if self.learns else 1.0
+
+    def observe_acceptance(self, successes: int, trials: int) -> None:
+        if self.learns and trials:
+            with self._lock:
+                self.acceptance.add(successes, trials)
+
+    def observe_lookup(self, hit: bool, matched: int, seen: int) -> None:
+        if self.learns:
+            with self._lock:
+                self.runs.add(hit, matched, seen)
+
+    def prior_acceptance(self) -> float:
+        with self._lock:
+            return self.acceptance.value
+
+    def prior_runs(self) -> Runs:
+        with self._lock:
+            return Runs(self.runs)
+
+    def _line(self, threads: int) -> Line:
+        if threads not in self._verify:
+            self._verify[threads] = Line(self.prior.verify_ms, self.prior.verify_ms_per_token)
+        return self._verify[threads]
+
+    def verify_ms(self, tokens: float, solo: bool, passes: int = 1) -> float:
+        """A call of `passes` passes over `tokens` tokens each: on the most threads the target has used
+        (`solo`, while no draft worker is busy) or the fewest, with the call's overhead."""
+        with self._lock:
+            seen = sorted(t for t, line in self._verify.items() if line.count)
+            line = self._verify[seen[-1] if solo else seen[0]] if seen else self._unmeasured
+            return passes * line(tokens) + self.verify_overhead_ms
+
+    def draft_ms(self, k: int, sessions: float) -> float:
+        with self._lock:
+            return k * self._draft(sessions) + self.draft_overhead_ms
+
+
+FIXED = Costs(learns=False)  # for sampled requests: the same every time
