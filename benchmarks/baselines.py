@@ -46,12 +46,14 @@ class HFBaseline:
 
     def __init__(self, model_ref: str = "smollm2", device: str = "cpu"):
         import transformers
-        from specdec_core.models import load_causal_lm, load_tokenizer
+        from specdec_core.engine.models import load_causal_lm, load_tokenizer
+        from specdec_core.engine.options import EngineOptions
 
         transformers.logging.set_verbosity_error()
         self.device = device
-        self.tokenizer = load_tokenizer(model_ref)
-        self.model = load_causal_lm(model_ref, dtype="float32", device=device)
+        engine = EngineOptions.from_env()  # as the target service's flags default
+        self.tokenizer = load_tokenizer(model_ref, engine.cache_dir)
+        self.model = load_causal_lm(model_ref, engine, dtype="float32", device=device)
         self.eos = self.tokenizer.eos_token_id
 
     def run(self, index: int, messages: list[dict], max_new_tokens: int, lookup: int | None = None) -> Request:
@@ -82,7 +84,7 @@ class LlamaPromptLookup:
     def __init__(self, tokenizer, gguf: str | None = None, n_ctx: int = 4096):
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-        from specdec_core.models import embedded_gguf_path
+        from specdec_core.engine.models import embedded_gguf_path
 
         self.tokenizer = tokenizer
         self.eos = tokenizer.eos_token_id

@@ -34,9 +34,10 @@ sys.path.insert(0, str(HERE))
 
 from baselines import chat_ids  # noqa: E402
 from prompts import take  # noqa: E402
-from specdec_core import cpu_quantized  # noqa: E402
-from specdec_core.batched_backend import BatchedBackend  # noqa: E402
-from specdec_core.models import gguf_path, load_causal_lm, load_tokenizer  # noqa: E402
+from specdec_core.engine import cpu_kernels, cpu_quantized  # noqa: E402
+from specdec_core.engine.batched_backend import BatchedBackend  # noqa: E402
+from specdec_core.engine.models import gguf_path, load_causal_lm, load_tokenizer  # noqa: E402
+from specdec_core.engine.options import EngineOptions  # noqa: E402
 
 REPEATS = 20
 
@@ -105,22 +106,23 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     sessions = [int(x) for x in a.sessions.split(",")]
     threads = [int(x) for x in a.threads.split(",")]
-    tokenizer = load_tokenizer("smollm2")
+    options = EngineOptions.from_env()  # as the workers' flags default
+    tokenizer = load_tokenizer("smollm2", options.cache_dir)
     prompts = [chat_ids(tokenizer, m) for m in take("chat", a.prompts)]
     print(f"target continuations: {a.prompts} chat prompts x {a.tokens} tokens ...", flush=True)
-    target = BatchedBackend(load_causal_lm("smollm2"))
+    target = BatchedBackend(load_causal_lm("smollm2", options))
     conts = continuations(target, prompts, a.tokens)
     backends = {"llama.cpp": lambda t: llama_backend(t),
                 "engine, 8-bit inputs": lambda t: engine(True),
                 "engine, float32 (the target's)": lambda t: engine(False)}
-    if not cpu_quantized.int8_available():
+    if cpu_kernels.load(options) is None or not cpu_quantized.int8_available():
         del backends["engine, 8-bit inputs"]
         print("this CPU has no int8-input kernel (AVX-512 VNNI): that row is left out")
     models: dict[bool, BatchedBackend] = {False: target}
 
     def engine(int8: bool) -> BatchedBackend:
         if int8 not in models:
-            models[int8] = BatchedBackend(load_causal_lm("smollm2", int8_inputs=int8))
+            models[int8] = BatchedBackend(load_causal_lm("smollm2", options, int8_inputs=int8))
         return models[int8]
 
     rows = []

@@ -31,7 +31,7 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from specdec_core.redis_client import connect_redis  # noqa: E402
+from specdec_core.serving.redis_client import connect_redis  # noqa: E402
 from coordinator.sessions import SessionStore  # noqa: E402
 from specdec.launcher import redis_server_binary  # noqa: E402
 from specdec.loadtest import percentiles  # noqa: E402 (does not import locust)

@@ -25,6 +25,7 @@ from draft_service.config import resolve_backend  # noqa: E402
 from report import DRAFTS  # noqa: E402 - this script's folder is on the path, as for run.py
 from specdec import Client  # noqa: E402
 from specdec.launcher import Stack  # noqa: E402
+from specdec_core.engine.options import EngineOptions  # noqa: E402
 
 CHAT_PROMPTS = [
     "Explain in a few sentences why the sky is blue.",
@@ -59,7 +60,7 @@ def main() -> None:
                    help="the draft worker's backend (auto: what `specdec up` runs)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "embedded_pair"))
     a = p.parse_args()
-    a.draft_backend = resolve_backend(a.draft_backend, "smollm2")
+    a.draft_backend = resolve_backend(a.draft_backend, "smollm2", EngineOptions.from_env())
 
     stack = Stack(log_dir=Path(tempfile.mkdtemp(prefix="specdec-bench-")),
                   args={"draft": ["--backend", a.draft_backend]})

@@ -11,7 +11,7 @@ against the same session run alone (max |difference| and whether every row's arg
 Then it times warm passes (each pass's tokens are cropped off again, so every pass sees the same
 contexts) and prints ms per pass and the ratio to one session's pass of the same size.
 --forward names the passes measured side by side, case by case: `lean` (the backend's default for
-Llama-family models, specdec_core/lean_pass.py) and `model` (the model's own forward; with packed
+Llama-family models, specdec_core/engine/lean_pass.py) and `model` (the model's own forward; with packed
 linears, once the lean pass agreed its q/k/v and gate/up layers each compute their slice of the
 lean pass's fused product, so that pass pays for those products several times over and only says
 what the module machinery costs on top of that).
@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from specdec_core.batched_backend import BatchedBackend  # noqa: E402
+from specdec_core.engine.batched_backend import BatchedBackend  # noqa: E402
 
 
 def load(args) -> torch.nn.Module:
@@ -42,9 +42,11 @@ def load(args) -> torch.nn.Module:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype))
         return model.to(args.device).eval()
-    from specdec_core.models import load_causal_lm
+    from specdec_core.engine.models import load_causal_lm
+    from specdec_core.engine.options import EngineOptions
 
-    return load_causal_lm(args.model, dtype=args.dtype, device=args.device, int8_inputs=args.int8_inputs)
+    return load_causal_lm(args.model, EngineOptions.from_env(), dtype=args.dtype, device=args.device,
+                          int8_inputs=args.int8_inputs)
 
 
 def sync(device: str) -> None:
@@ -88,8 +90,8 @@ def breakdown(backend, handles, new: int, repeats: int, device: str) -> dict[str
     """ms per pass in each part of the lean pass, timed around its calls, each part's own time (a
     timed call inside another counts for its own part only); the timers add a little to every part,
     and `total` is the pass under them."""
-    from specdec_core.batched_backend import _BatchView
-    from specdec_core.cpu_linear import Fused
+    from specdec_core.engine.batched_backend import _BatchView
+    from specdec_core.engine.cpu_linear import Fused
 
     lean, spent = backend._lean, {}
     parts = [(Fused, "__call__", "linears"), (Fused, "add", "linears"), (_BatchView, "write_qkv", "pool writes"),

@@ -16,7 +16,7 @@ target in float32 on our paged backend, the draft as `specdec up` runs it), all 
    many chunk boundaries; the time the tier adds on each worker's engine thread (the workers'
    `specdec_kv_store_round_seconds`) divided by the session's rounds.
 
-Results: benchmarks/results/kvstore.json (the README quotes it).
+Results: benchmarks/results/kvstore.json (benchmarks/README.md quotes it).
 
     .venv/bin/python benchmarks/kvstore.py [--prompt-tokens 1500] [--shared-tokens 1000] [--sessions 8] [--reps 2]
 """
@@ -44,8 +44,9 @@ import redis  # noqa: E402
 from prompts import GROUNDED  # noqa: E402
 from specdec import Client  # noqa: E402
 from specdec.launcher import Stack, free_port, scrape_metrics  # noqa: E402
-from specdec_core.kvstore import _HEADER  # noqa: E402
-from specdec_core.models import load_tokenizer  # noqa: E402
+from specdec_core.engine.models import load_tokenizer  # noqa: E402
+from specdec_core.engine.options import EngineOptions  # noqa: E402
+from specdec_core.serving.kvstore import _HEADER  # noqa: E402
 
 # Every request drafts with the model, so that both workers hold (and store) each session's KV: under
 # the default policy a session here decodes plainly, the draft never sees its prompt, and a wait for
@@ -62,7 +63,7 @@ def log(message: str) -> None:
 class Bench:
     def __init__(self, a: argparse.Namespace):
         self.a = a
-        tokenizer = load_tokenizer("smollm2")
+        tokenizer = load_tokenizer("smollm2", EngineOptions.from_env().cache_dir)
         text = "\n\n".join(GROUNDED[i % len(GROUNDED)] + f" (part {i})" for i in range(400))
         self.corpus = tokenizer(text)["input_ids"]
         self.log_root = Path(tempfile.mkdtemp(prefix="specdec-kvstore-"))

@@ -46,6 +46,7 @@ from draft_service.config import resolve_backend  # noqa: E402
 from measure import MemoryProbe, Progress, Request, machine, max_memory, percentiles  # noqa: E402
 from prompts import GROUNDED_SET, SETS, take  # noqa: E402
 from specdec import Client  # noqa: E402
+from specdec_core.engine.options import EngineOptions  # noqa: E402
 
 SPECDEC = {  # per-request options; "k" is also the K of Leviathan's prediction
     "target_k0": {"draft": "none", "k": 0},
@@ -132,7 +133,7 @@ def make_plan(a: argparse.Namespace, device: str) -> Plan:
                 pinned=(PINNED_NAME in only or not named) and "chat" in sets, device=device,
                 mixed=(MIXED_NAME in only or (not named and both)) and max(levels) > 1,
                 vllm=[] if a.no_vllm or device != "cpu" else [v for v in VLLM if not named or v in named],
-                draft_backend=resolve_backend(a.draft_backend, "smollm2"),
+                draft_backend=resolve_backend(a.draft_backend, "smollm2", EngineOptions.from_env()),
                 waves=a.waves or (1 if a.quick else 3))
 
 
@@ -141,9 +142,9 @@ def target_footprint(model_ref: str = "smollm2") -> dict:
     loads them) and the KV bytes one token of one session takes in its cache."""
     from transformers import AutoConfig
 
-    from specdec_core.models import resolve_model
+    from specdec_core.engine.models import resolve_model
 
-    folder = Path(resolve_model(model_ref))
+    folder = Path(resolve_model(model_ref, EngineOptions.from_env().cache_dir))
     c = AutoConfig.from_pretrained(folder)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return {"weights_mb": sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**20,
@@ -353,7 +354,7 @@ def bench_vllm(plan: Plan, progress: Progress, log_dir: Path, save: Callable[[li
                rows: list[dict]) -> list[dict]:
     """vLLM-CPU serving the same model and prompts: each configuration on a server of its own, every
     prompt set at c1 (one prompt after another) and at the top concurrency."""
-    from specdec_core.models import resolve_model
+    from specdec_core.engine.models import resolve_model
     from vllm_peer import VLLM_VENV, VLLMPeer
 
     if not (HERE / VLLM_VENV / "bin" / "python").exists():
@@ -363,7 +364,8 @@ def bench_vllm(plan: Plan, progress: Progress, log_dir: Path, save: Callable[[li
     top = max(plan.levels)
     out: list[dict] = []
     for name in plan.vllm:
-        with VLLMPeer(resolve_model("smollm2"), VLLM[name], log_dir / name, progress) as peer:
+        with VLLMPeer(resolve_model("smollm2", EngineOptions.from_env().cache_dir), VLLM[name], log_dir / name,
+                      progress) as peer:
             runners = {name: Runner(peer.run, peer.probe, None)}
             warm_up(runners, progress)
             for prompt_set in sets:

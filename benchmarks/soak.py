@@ -209,9 +209,10 @@ def prepare_models(a: argparse.Namespace, scratch: Path) -> tuple[str, str]:
         from tiny_models import make_tiny_pair
 
         return make_tiny_pair(scratch / "models")
-    from specdec_core.models import resolve_model
+    from specdec_core.engine.models import resolve_model
+    from specdec_core.engine.options import EngineOptions
 
-    resolve_model("smollm2")  # converts the GGUF once, as `specdec up` does before starting anything
+    resolve_model("smollm2", EngineOptions.from_env().cache_dir)  # converts the GGUF once, as `specdec up` does before starting anything
     return "smollm2", "smollm2"
 
 

@@ -196,11 +196,12 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
 
     from baselines import HFBaseline
-    from specdec_core.models import resolve_model
+    from specdec_core.engine.models import resolve_model
+    from specdec_core.engine.options import EngineOptions
 
     progress = Progress()
     jobs = list(enumerate(take(a.set, a.prompts)))
-    with VLLMPeer(resolve_model("smollm2"), SMOKE_NGRAM if a.ngram else None, progress=progress) as peer:
+    with VLLMPeer(resolve_model("smollm2", EngineOptions.from_env().cache_dir), SMOKE_NGRAM if a.ngram else None, progress=progress) as peer:
         progress(f"command: {' '.join(peer.command)}; env: {peer.environment()}")
         peer.run(-1, WARMUP, 8)
         c1 = [peer.run(index, messages, a.max_new_tokens) for index, messages in jobs]

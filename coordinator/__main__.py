@@ -12,7 +12,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.generation import Generation
 from coordinator.ngram import NgramProposer
 from coordinator.request import Limits
-from specdec_core.redis_client import connect_redis
+from specdec_core.serving.redis_client import connect_redis
 from coordinator.routing import ReplicaPool, Routed, discover
 from coordinator.servicer import GenerationServicer
 from coordinator.sessions import SessionStore
@@ -22,11 +22,11 @@ from coordinator.workers import ChannelSettings, DraftClient, DraftsInFlight, Ta
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
 from specdec_core.errors import FailedPrecondition, Unavailable
-from specdec_core.admission import Lanes
+from specdec_core.serving.admission import Lanes
 from specdec_core.logs import setup_logging
-from specdec_core.models import load_tokenizer
-from specdec_core.security import BearerTokenInterceptor
-from specdec_core.server import create_server, serve
+from specdec_core.engine.models import load_tokenizer
+from specdec_core.serving.security import BearerTokenInterceptor
+from specdec_core.serving.server import create_server, serve
 
 log = logging.getLogger("coordinator")
 

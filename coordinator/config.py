@@ -7,8 +7,8 @@ import os
 from dataclasses import dataclass
 
 from specdec_core.limits import MAX_DECODE_STEPS, MAX_SPECULATIVE_TOKENS
-from specdec_core.security import TlsFiles
-from specdec_core.server import ServerOptions
+from specdec_core.serving.security import TlsFiles
+from specdec_core.serving.server import ServerOptions
 
 
 @dataclass(frozen=True)
@@ -62,74 +62,8 @@ class CoordinatorConfig:
         env = os.environ.get
         p = argparse.ArgumentParser(prog="specdec coordinator",
                                     description="Run the coordinator (public Generation API, speculative loop).")
-        p.add_argument("--target", default=env("SPECDEC_TARGET_ADDRESS", cls.target_address),
-                       help="target replicas: host:port[,host:port], file:///list, dns:///name:port, "
-                            "k8s:///namespace/service:port")
-        p.add_argument("--draft", default=env("SPECDEC_DRAFT_ADDRESS", cls.draft_address),
-                       help="draft replicas, same forms as --target ('' for none)")
-        p.add_argument("--redis-url", default=env("REDIS_URL", ""),
-                       help="redis://[:password@]host:port/db, rediss:// for TLS, unix:///path, or "
-                            "redis+sentinel://[:password@]host:port[,host:port...]/master-name[/db] "
-                            "(rediss+sentinel:// for TLS) for a replicated Redis under Sentinel")
-        p.add_argument("--redis-tls-ca", default=env("SPECDEC_REDIS_TLS_CA", ""), help="CA for rediss://")
-        p.add_argument("--redis-tls-cert", default=env("SPECDEC_REDIS_TLS_CERT", ""),
-                       help="client certificate for a Redis that requires mutual TLS")
-        p.add_argument("--redis-tls-key", default=env("SPECDEC_REDIS_TLS_KEY", ""))
-        p.add_argument("--redis-retry", type=float, default=float(env("SPECDEC_REDIS_RETRY", cls.redis_retry_s)),
-                       help="seconds to keep retrying a lost Redis connection (with Sentinel: long enough for a "
-                            "failover) before UNAVAILABLE")
-        p.add_argument("--redis-wait-replicas", type=int,
-                       default=int(env("SPECDEC_REDIS_WAIT_REPLICAS", cls.redis_wait_replicas)),
-                       help="each commit waits until this many replicas hold it (Redis WAIT) before its tokens "
-                            "go to the client, so a failover loses none of them; 0: do not wait")
-        p.add_argument("--redis-wait-timeout-ms", type=int,
-                       default=int(env("SPECDEC_REDIS_WAIT_TIMEOUT_MS", cls.redis_wait_timeout_ms)),
-                       help="how long a commit waits for its replicas before the request fails UNAVAILABLE")
-        p.add_argument("--tokenizer", default=env("SPECDEC_TOKENIZER", cls.tokenizer),
-                       help="model reference whose tokenizer to use (the target's)")
-        p.add_argument("--num-speculative-tokens", "-k", type=int, default=cls.num_speculative_tokens,
-                       help="default K (draft tokens per round)")
-        p.add_argument("--max-new-tokens", type=int, default=cls.max_new_tokens, help="default max_new_tokens")
-        p.add_argument("--session-ttl", type=int, default=int(env("SPECDEC_SESSION_TTL", cls.session_ttl_s)),
-                       help="seconds an idle session is kept in Redis")
-        p.add_argument("--request-ttl", type=int, default=int(env("SPECDEC_REQUEST_TTL", cls.request_ttl_s)),
-                       help="seconds a request id is remembered: a retry within it resumes the request instead "
-                            "of repeating it")
-        p.add_argument("--target-retry", type=float, default=cls.target_retry_s,
-                       help="seconds to keep retrying an unavailable target before UNAVAILABLE")
-        p.add_argument("--draft-retry", type=float, default=cls.draft_retry_s,
-                       help="seconds to keep retrying an unavailable draft before decoding without it")
-        p.add_argument("--startup-timeout", type=float, default=cls.startup_timeout_s,
-                       help="seconds to wait for the target worker at start-up")
-        p.add_argument("--max-concurrent-requests", type=int,
-                       default=int(env("SPECDEC_MAX_CONCURRENT_REQUESTS", cls.max_concurrent_requests)),
-                       help="generations served at once (each holds a handler thread); more get "
-                            "RESOURCE_EXHAUSTED at once")
-        p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=cls.overlap,
-                       help="draft the next block while the target verifies this one (default: off; it pays "
-                            "when draft and target have their own cores or machines, and costs when they share)")
-        p.add_argument("--decode-steps", type=int, default=int(env("SPECDEC_DECODE_STEPS", cls.decode_steps)),
-                       help="a round without draft tokens asks the target for up to this many more plain tokens in "
-                            "the same call (multi-step decoding: one RPC and one coordinator round for several "
-                            "tokens, which then stream together); 0: one token per call")
-        p.add_argument("--auth-tokens-file", default=env("SPECDEC_AUTH_TOKENS_FILE", ""),
-                       help="require 'authorization: Bearer <token>' with a token from this file, one "
-                            "'tenant:token' a line (a bare token belongs to the tenant 'default'); a session "
-                            "belongs to the tenant that created it")
-        p.add_argument("--tenant-max-sessions", type=int,
-                       default=int(env("SPECDEC_TENANT_MAX_SESSIONS", cls.tenant_max_sessions)),
-                       help="live sessions per tenant (0: no limit); a new one beyond it gets RESOURCE_EXHAUSTED")
-        p.add_argument("--tenant-max-requests", type=int,
-                       default=int(env("SPECDEC_TENANT_MAX_REQUESTS", cls.tenant_max_requests)),
-                       help="generations at once per tenant in this coordinator (0: no limit but "
-                            "--max-concurrent-requests)")
-        p.add_argument("--worker-tls-cert", default=env("SPECDEC_WORKER_TLS_CERT", ""),
-                       help="client certificate for mutual TLS to the workers")
-        p.add_argument("--worker-tls-key", default=env("SPECDEC_WORKER_TLS_KEY", ""))
-        p.add_argument("--worker-tls-ca", default=env("SPECDEC_WORKER_TLS_CA", ""),
-                       help="CA that signed the workers' certificates (enables TLS to the workers)")
-        p.add_argument("--worker-tls-server-name", default=env("SPECDEC_WORKER_TLS_SERVER_NAME", ""),
-                       help="name to check in the workers' certificates (default: the address' host)")
+        for add_flags in (_worker_flags, _redis_flags, _generation_flags, _tenancy_flags):
+            add_flags(p, env)
         ServerOptions.add_flags(p, "SPECDEC", port=50050)
         a = p.parse_args(argv)
         return cls(
@@ -146,3 +80,87 @@ class CoordinatorConfig:
             worker_tls=TlsFiles(a.worker_tls_cert, a.worker_tls_key, a.worker_tls_ca),
             worker_tls_server_name=a.worker_tls_server_name,
         )
+
+
+def _worker_flags(p: argparse.ArgumentParser, env) -> None:
+    """Where the workers are, how long to wait for them, and TLS to them."""
+    p.add_argument("--target", default=env("SPECDEC_TARGET_ADDRESS", CoordinatorConfig.target_address),
+                   help="target replicas: host:port[,host:port], file:///list, dns:///name:port, "
+                        "k8s:///namespace/service:port")
+    p.add_argument("--draft", default=env("SPECDEC_DRAFT_ADDRESS", CoordinatorConfig.draft_address),
+                   help="draft replicas, same forms as --target ('' for none)")
+    p.add_argument("--worker-tls-cert", default=env("SPECDEC_WORKER_TLS_CERT", ""),
+                   help="client certificate for mutual TLS to the workers")
+    p.add_argument("--worker-tls-key", default=env("SPECDEC_WORKER_TLS_KEY", ""))
+    p.add_argument("--worker-tls-ca", default=env("SPECDEC_WORKER_TLS_CA", ""),
+                   help="CA that signed the workers' certificates (enables TLS to the workers)")
+    p.add_argument("--worker-tls-server-name", default=env("SPECDEC_WORKER_TLS_SERVER_NAME", ""),
+                   help="name to check in the workers' certificates (default: the address' host)")
+
+
+def _redis_flags(p: argparse.ArgumentParser, env) -> None:
+    """Where session state lives and how each commit is made durable."""
+    p.add_argument("--redis-url", default=env("REDIS_URL", ""),
+                   help="redis://[:password@]host:port/db, rediss:// for TLS, unix:///path, or "
+                        "redis+sentinel://[:password@]host:port[,host:port...]/master-name[/db] "
+                        "(rediss+sentinel:// for TLS) for a replicated Redis under Sentinel")
+    p.add_argument("--redis-tls-ca", default=env("SPECDEC_REDIS_TLS_CA", ""), help="CA for rediss://")
+    p.add_argument("--redis-tls-cert", default=env("SPECDEC_REDIS_TLS_CERT", ""),
+                   help="client certificate for a Redis that requires mutual TLS")
+    p.add_argument("--redis-tls-key", default=env("SPECDEC_REDIS_TLS_KEY", ""))
+    p.add_argument("--redis-retry", type=float, default=float(env("SPECDEC_REDIS_RETRY", CoordinatorConfig.redis_retry_s)),
+                   help="seconds to keep retrying a lost Redis connection (with Sentinel: long enough for a "
+                        "failover) before UNAVAILABLE")
+    p.add_argument("--redis-wait-replicas", type=int,
+                   default=int(env("SPECDEC_REDIS_WAIT_REPLICAS", CoordinatorConfig.redis_wait_replicas)),
+                   help="each commit waits until this many replicas hold it (Redis WAIT) before its tokens "
+                        "go to the client, so a failover loses none of them; 0: do not wait")
+    p.add_argument("--redis-wait-timeout-ms", type=int,
+                   default=int(env("SPECDEC_REDIS_WAIT_TIMEOUT_MS", CoordinatorConfig.redis_wait_timeout_ms)),
+                   help="how long a commit waits for its replicas before the request fails UNAVAILABLE")
+
+
+def _generation_flags(p: argparse.ArgumentParser, env) -> None:
+    """Requests' defaults and bounds, and how rounds run."""
+    p.add_argument("--tokenizer", default=env("SPECDEC_TOKENIZER", CoordinatorConfig.tokenizer),
+                   help="model reference whose tokenizer to use (the target's)")
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=CoordinatorConfig.num_speculative_tokens,
+                   help="default K (draft tokens per round)")
+    p.add_argument("--max-new-tokens", type=int, default=CoordinatorConfig.max_new_tokens, help="default max_new_tokens")
+    p.add_argument("--session-ttl", type=int, default=int(env("SPECDEC_SESSION_TTL", CoordinatorConfig.session_ttl_s)),
+                   help="seconds an idle session is kept in Redis")
+    p.add_argument("--request-ttl", type=int, default=int(env("SPECDEC_REQUEST_TTL", CoordinatorConfig.request_ttl_s)),
+                   help="seconds a request id is remembered: a retry within it resumes the request instead "
+                        "of repeating it")
+    p.add_argument("--target-retry", type=float, default=CoordinatorConfig.target_retry_s,
+                   help="seconds to keep retrying an unavailable target before UNAVAILABLE")
+    p.add_argument("--draft-retry", type=float, default=CoordinatorConfig.draft_retry_s,
+                   help="seconds to keep retrying an unavailable draft before decoding without it")
+    p.add_argument("--startup-timeout", type=float, default=CoordinatorConfig.startup_timeout_s,
+                   help="seconds to wait for the target worker at start-up")
+    p.add_argument("--max-concurrent-requests", type=int,
+                   default=int(env("SPECDEC_MAX_CONCURRENT_REQUESTS", CoordinatorConfig.max_concurrent_requests)),
+                   help="generations served at once (each holds a handler thread); more get "
+                        "RESOURCE_EXHAUSTED at once")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=CoordinatorConfig.overlap,
+                   help="draft the next block while the target verifies this one (default: off; it pays "
+                        "when draft and target have their own cores or machines, and costs when they share)")
+    p.add_argument("--decode-steps", type=int, default=int(env("SPECDEC_DECODE_STEPS", CoordinatorConfig.decode_steps)),
+                   help="a round without draft tokens asks the target for up to this many more plain tokens in "
+                        "the same call (multi-step decoding: one RPC and one coordinator round for several "
+                        "tokens, which then stream together); 0: one token per call")
+
+
+def _tenancy_flags(p: argparse.ArgumentParser, env) -> None:
+    """Who may call, and how much each tenant may hold."""
+    p.add_argument("--auth-tokens-file", default=env("SPECDEC_AUTH_TOKENS_FILE", ""),
+                   help="require 'authorization: Bearer <token>' with a token from this file, one "
+                        "'tenant:token' a line (a bare token belongs to the tenant 'default'); a session "
+                        "belongs to the tenant that created it")
+    p.add_argument("--tenant-max-sessions", type=int,
+                   default=int(env("SPECDEC_TENANT_MAX_SESSIONS", CoordinatorConfig.tenant_max_sessions)),
+                   help="live sessions per tenant (0: no limit); a new one beyond it gets RESOURCE_EXHAUSTED")
+    p.add_argument("--tenant-max-requests", type=int,
+                   default=int(env("SPECDEC_TENANT_MAX_REQUESTS", CoordinatorConfig.tenant_max_requests)),
+                   help="generations at once per tenant in this coordinator (0: no limit but "
+                        "--max-concurrent-requests)")

@@ -42,7 +42,7 @@ from coordinator.validation import validate_request
 from specdec_core import metrics
 from specdec_core.errors import Aborted, Cancelled, FailedPrecondition, InvalidArgument, ResourceExhausted, SpecdecError
 from specdec_core.logs import log_context
-from specdec_core.sampling import sampling_to_dict
+from specdec_core.engine.sampling import sampling_to_dict
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class Generation:
         start, input_ids, max_new, record = self._begin(req, session, record)
         output_start = start + len(input_ids)
         ctx = RequestContext(session.session_id, replace(req.sampling, output_start=output_start), session.seed,
-                             session.routes, deadline, min_draft_confidence=req.min_draft_confidence)
+                             session.tenant, session.routes, deadline, min_draft_confidence=req.min_draft_confidence)
         stop = StopRule(frozenset(self.codec.eos_ids | set(req.stop_token_ids)), max_new, self.limits.max_context)
         out = OutputText(self.codec, req.stop)
         done = session.token_ids[output_start:record.end if record and record.finish else None]

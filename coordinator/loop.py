@@ -34,7 +34,7 @@ from coordinator.cancel import CancelToken
 from coordinator.request import RequestContext
 from specdec_core.errors import Cancelled, NotFound, ResourceExhausted, SpecdecError
 from specdec_core.logs import log_context, short_id
-from specdec_core.sampling import SparseDist, TokenLogprob
+from specdec_core.engine.sampling import SparseDist, TokenLogprob
 
 log = logging.getLogger(__name__)
 

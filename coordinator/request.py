@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from specdec_core.errors import DeadlineExceeded
-from specdec_core.sampling import SamplingConfig, TokenLogprob
+from specdec_core.engine.sampling import SamplingConfig, TokenLogprob
 
 if TYPE_CHECKING:
     from coordinator.cancel import CancelToken
@@ -82,6 +82,7 @@ class RequestContext:
     session_id: str
     sampling: SamplingConfig = SamplingConfig()
     seed: int = 0
+    tenant: str = "default"
     routes: dict[str, str] = field(default_factory=dict)
     deadline: float | None = None
     cancel: CancelToken | None = None

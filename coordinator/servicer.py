@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from types import MappingProxyType
 
 from coordinator.generation import Generation
 from coordinator.request import Chunk, DraftMethod, Finish, GenerationRequest, Stats
@@ -11,20 +12,20 @@ from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
 from specdec_core.errors import grpc_errors
 from specdec_core.limits import validate_session_id
-from specdec_core.sampling import sampling_from_dict
-from specdec_core.wire import logprobs_to_proto, sampling_from_proto, sampling_to_proto
+from specdec_core.engine.sampling import sampling_from_dict
+from specdec_core.serving.wire import logprobs_to_proto, sampling_from_proto, sampling_to_proto
 
-_METHODS = {  # DRAFT_METHOD_UNSPECIFIED: None, the server's policy chooses
+_METHODS = MappingProxyType({  # DRAFT_METHOD_UNSPECIFIED: None, the server's policy chooses
     pb.DRAFT_METHOD_MODEL: DraftMethod.MODEL,
     pb.DRAFT_METHOD_NGRAM: DraftMethod.NGRAM,
     pb.DRAFT_METHOD_NONE: DraftMethod.NONE,
-}
-_FINISH = {
+})
+_FINISH = MappingProxyType({
     Finish.LENGTH: pb.FINISH_REASON_LENGTH,
     Finish.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
     Finish.STOP_STRING: pb.FINISH_REASON_STOP_STRING,
     Finish.CONTEXT: pb.FINISH_REASON_CONTEXT,
-}
+})
 
 
 def request_from_proto(msg: pb.GenerationInput) -> GenerationRequest:

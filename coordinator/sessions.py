@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 import redis
 
 from coordinator.request import Stats
-from specdec_core.redis_client import redis_errors
+from specdec_core.serving.redis_client import redis_errors
 from specdec_core import metrics
 from specdec_core.errors import Aborted, FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from specdec_core.logs import short_id

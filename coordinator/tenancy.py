@@ -19,7 +19,7 @@ from pathlib import Path
 from coordinator.sessions import DEFAULT_TENANT
 from specdec_core import metrics
 from specdec_core.errors import ResourceExhausted, Unauthenticated
-from specdec_core.security import bearer_token, known_token
+from specdec_core.serving.security import bearer_token, known_token
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 

@@ -14,7 +14,7 @@ from specdec_core.limits import (
     validate_request_id,
     validate_session_id,
 )
-from specdec_core.sampling import validate_sampling
+from specdec_core.engine.sampling import validate_sampling
 
 ROLES = ("system", "user", "assistant")
 MAX_STOP_STRINGS = 16

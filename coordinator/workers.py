@@ -32,11 +32,12 @@ from specdec_core.errors import (
     SpecdecError,
     Unavailable,
 )
-from specdec_core.wire import logprobs_from_proto, sampling_to_proto
+from specdec_core.serving.wire import logprobs_from_proto, sampling_to_proto
 
 log = logging.getLogger(__name__)
 
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION}
+_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                        grpc.StatusCode.FAILED_PRECONDITION})
 _MESSAGE_LIMIT = 64 * 1024 * 1024
 
 @dataclass(frozen=True)

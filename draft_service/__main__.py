@@ -9,11 +9,11 @@ from draft_service.config import DraftConfig
 from draft_service.proposer import ModelProposer
 from draft_service.servicer import DraftServicer
 from specdec.v1 import draft_pb2, draft_pb2_grpc
-from specdec_core.admission import Lanes
-from specdec_core.kvcache import SessionCaches
-from specdec_core.kvstore import open_tier
+from specdec_core.engine.kvcache import SessionCaches
 from specdec_core.logs import setup_logging
-from specdec_core.server import create_server, serve
+from specdec_core.serving.admission import Lanes
+from specdec_core.serving.kvstore import open_tier
+from specdec_core.serving.server import create_server, serve
 
 log = logging.getLogger("draft_service")
 
@@ -23,7 +23,7 @@ def load_backend(cfg: DraftConfig):
     log.info("loading draft model %s with %s", cfg.model, backend)
     if backend == "llama.cpp":
         from draft_service.llama_backend import LlamaCppBackend
-        from specdec_core.models import gguf_path
+        from specdec_core.engine.models import gguf_path
 
         path = gguf_path(cfg.model)
         if path is None:
@@ -32,22 +32,22 @@ def load_backend(cfg: DraftConfig):
                                n_threads=cfg.threads or None)
     import torch
 
-    from specdec_core.batched_backend import BatchedBackend
-    from specdec_core.models import load_causal_lm
+    from specdec_core.engine.batched_backend import BatchedBackend
+    from specdec_core.engine.models import load_causal_lm
 
     if cfg.threads:  # the cores `specdec up` gives the draft, as for llama.cpp
         torch.set_num_threads(cfg.threads)
-    return BatchedBackend(load_causal_lm(cfg.model, cfg.dtype, cfg.device, int8_inputs=cfg.quantize_inputs),
-                          max_tokens=cfg.max_cache_tokens)
+    model = load_causal_lm(cfg.model, cfg.engine, cfg.dtype, cfg.device, int8_inputs=cfg.quantize_inputs)
+    return BatchedBackend(model, max_tokens=cfg.max_cache_tokens)
 
 
 def model_path(cfg: DraftConfig) -> str:
     """The weights the draft runs (what the KV tier's keys are fingerprinted from)."""
-    from specdec_core.models import gguf_path, resolve_model
+    from specdec_core.engine.models import gguf_path, resolve_model
 
     if cfg.resolved_backend == "llama.cpp":
         return str(gguf_path(cfg.model))
-    return resolve_model(cfg.model)
+    return resolve_model(cfg.model, cfg.engine.cache_dir)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,8 +6,9 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from specdec_core.kvstore import KVStoreOptions
-from specdec_core.server import ServerOptions
+from specdec_core.engine.options import EngineOptions
+from specdec_core.serving.kvstore import KVStoreOptions
+from specdec_core.serving.server import ServerOptions
 
 BACKENDS = ("auto", "transformers", "llama.cpp")
 
@@ -15,6 +16,7 @@ BACKENDS = ("auto", "transformers", "llama.cpp")
 @dataclass(frozen=True)
 class DraftConfig:
     server: ServerOptions
+    engine: EngineOptions
     model: str = "smollm2"
     backend: str = "auto"
     dtype: str = "float32"
@@ -41,7 +43,7 @@ class DraftConfig:
 
     @property
     def resolved_backend(self) -> str:
-        return resolve_backend(self.backend, self.model, self.device, self.quantize_inputs)
+        return resolve_backend(self.backend, self.model, self.engine, self.device, self.quantize_inputs)
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> DraftConfig:
@@ -76,30 +78,36 @@ class DraftConfig:
                        default=int(env("SPECDEC_DRAFT_PREFILL_CHUNK", cls.prefill_chunk)),
                        help="a context the draft has not seen is prefilled at most this many tokens per batch, "
                             "beside the other sessions' proposals (0: whole contexts in one batch)")
+        EngineOptions.add_flags(p)
         KVStoreOptions.add_flags(p, "SPECDEC_DRAFT")
         ServerOptions.add_flags(p, "SPECDEC_DRAFT", port=50051)
         a = p.parse_args(argv)
-        return cls(server=ServerOptions.from_args(a), model=a.model, backend=a.backend, dtype=a.dtype,
-                   device=a.device, quantize_inputs=a.quantize_inputs, max_cache_tokens=a.max_cache_tokens,
-                   max_sessions=a.max_sessions, context_tokens=a.context_tokens, sparse_top=a.sparse_top,
-                   max_queue=a.max_queue, threads=a.threads, prefill_chunk=a.prefill_chunk, kv_store=KVStoreOptions.from_args(a))
+        return cls(server=ServerOptions.from_args(a), engine=EngineOptions.from_args(a), model=a.model,
+                   backend=a.backend, dtype=a.dtype, device=a.device, quantize_inputs=a.quantize_inputs,
+                   max_cache_tokens=a.max_cache_tokens, max_sessions=a.max_sessions,
+                   context_tokens=a.context_tokens, sparse_top=a.sparse_top, max_queue=a.max_queue,
+                   threads=a.threads, prefill_chunk=a.prefill_chunk, kv_store=KVStoreOptions.from_args(a))
 
 
-def resolve_backend(backend: str, model: str, device: str = "cpu", quantize_inputs: bool = True) -> str:
+def resolve_backend(backend: str, model: str, engine: EngineOptions, device: str = "cpu",
+                    quantize_inputs: bool = True) -> str:
     """The backend `auto` stands for: for a .gguf model on a CPU with the int8-input kernel (AVX-512
     VNNI), transformers with --quantize-inputs (this project's engine in llama.cpp's arithmetic: on the
     embedded default, one thread, a draft step of one session 9.4 ms against llama.cpp's 11.1 and of 8
     sessions 20.5 against 61.2, benchmarks/results/int8_draft.md); else llama.cpp for a .gguf when
-    llama-cpp-python is installed; else transformers."""
+    llama-cpp-python is installed; else transformers. The int8-input kernel counts only where
+    `engine` lets the quantized linears run."""
     if backend != "auto":
         return backend
-    from specdec_core import cpu_quantized
-    from specdec_core.models import gguf_path
+    from specdec_core.engine import cpu_kernels, cpu_quantized
+    from specdec_core.engine.models import gguf_path
 
     if gguf_path(model) is None:
         return "transformers"
-    if device == "cpu" and quantize_inputs and cpu_quantized.int8_available():
-        return "transformers"
+    if device == "cpu" and quantize_inputs and engine.cpu_attention and engine.quantized_linears:
+        cpu_kernels.load(engine)
+        if cpu_quantized.int8_available():
+            return "transformers"
     try:
         import llama_cpp  # noqa: F401
     except ImportError:

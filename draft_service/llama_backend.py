@@ -39,7 +39,7 @@ import llama_cpp
 import numpy as np
 import torch
 
-from specdec_core.kvcache import logits_per_item
+from specdec_core.engine.kvcache import logits_per_item
 
 logger = logging.getLogger(__name__)
 

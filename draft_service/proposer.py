@@ -24,13 +24,12 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specdec_core import metrics
-from specdec_core.batching import AGAIN, BatchQueue
-from specdec_core.errors import InvalidArgument, ResourceExhausted
-from specdec_core.kvcache import CachedSequence, SessionCaches
-from specdec_core.logs import short_id
-from specdec_core.sampling import (
+from specdec_core.engine.batching import AGAIN, BatchQueue
+from specdec_core.engine.kvcache import CachedSequence, SessionCaches
+from specdec_core.engine.sampling import (
     Purpose,
     SamplingConfig,
+    SparseDist,
     adjust_logits,
     keyed_uniform,
     sample_index,
@@ -38,8 +37,9 @@ from specdec_core.sampling import (
     validate_sampling,
     warp,
 )
-
-SparseDist = tuple[list[int], list[float]]
+from specdec_core.errors import InvalidArgument, ResourceExhausted
+from specdec_core.limits import check_token_ids
+from specdec_core.logs import short_id
 
 
 @dataclass(frozen=True)
@@ -176,6 +176,4 @@ class ModelProposer:
         if task.num_tokens < 1:
             raise InvalidArgument("num_tokens", f"must be >= 1, got {task.num_tokens}")
         validate_sampling(task.sampling, vocab_size=self.vocab_size)
-        bad = [t for t in task.committed_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidArgument("committed_ids", f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        check_token_ids("committed_ids", task.committed_ids, self.vocab_size)

@@ -6,8 +6,8 @@ from draft_service.proposer import ModelProposer, ProposeTask
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specdec_core.errors import grpc_errors
 from specdec_core.limits import validate_session_id
-from specdec_core.server import call_deadline
-from specdec_core.wire import model_info_to_proto, sampling_from_proto
+from specdec_core.serving.server import call_deadline
+from specdec_core.serving.wire import model_info_to_proto, sampling_from_proto
 
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):

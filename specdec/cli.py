@@ -227,12 +227,14 @@ def _start_stack(a: argparse.Namespace):
 
 def _prepare_models(*refs: str) -> None:
     """Convert GGUF models once, in this process, so the services start from the converted copy."""
-    from specdec_core.models import resolve_model
+    from specdec_core.engine.models import resolve_model
+    from specdec_core.engine.options import EngineOptions
 
+    cache_dir = EngineOptions.from_env().cache_dir  # the workers' --cache-dir default
     target, draft, backend = refs
-    resolve_model(target)
+    resolve_model(target, cache_dir)
     if backend == "transformers":
-        resolve_model(draft)
+        resolve_model(draft, cache_dir)
 
 
 def cmd_up(a: argparse.Namespace) -> int:
@@ -275,8 +277,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
             if spec["tokens_per_s"] < base["tokens_per_s"]:
                 print("(slower than the target alone: where a draft token costs about what a target token does, "
                       "as with the embedded pair on a CPU (both read the same 4-bit codes), speculation has little "
-                      "to win; a draft several times smaller than its target is what pays. README: \"Why "
-                      "speculation with this draft cannot pay much here\")", file=sys.stderr)
+                      "to win; a draft several times smaller than its target is what pays. benchmarks/README.md: "
+                      "\"Why speculation with this draft cannot pay much here\")", file=sys.stderr)
     finally:
         _stop(stack)
     return 0

@@ -13,18 +13,18 @@ import sys
 import torch
 
 from specdec.v1 import target_pb2, target_pb2_grpc
-from specdec_core.admission import Lanes
-from specdec_core.batched_backend import BatchedBackend
-from specdec_core.hf_backend import HFBackend
-from specdec_core.kvcache import SessionCaches
-from specdec_core.kvstore import open_tier
-from specdec_core.models import load_causal_lm, resolve_model
+from specdec_core.engine.batched_backend import BatchedBackend
+from specdec_core.engine.hf_backend import HFBackend
+from specdec_core.engine.kvcache import SessionCaches
+from specdec_core.engine.models import load_causal_lm, resolve_model
 from specdec_core.logs import setup_logging
-from specdec_core.server import create_server, serve
+from specdec_core.serving.admission import Lanes
+from specdec_core.serving.kvstore import open_tier
+from specdec_core.serving.server import create_server, serve
 from target_service import tensor_parallel as tp
 from target_service.config import TargetConfig
 from target_service.servicer import TargetServicer
-from target_service.verifier import CoreShare, Verifier
+from target_service.verifier import BatchVerifier, CoreShare
 
 log = logging.getLogger("target_service")
 
@@ -42,8 +42,9 @@ def main(argv: list[str] | None = None) -> None:
     if tp.world_size() > 1:
         return serve_tensor_parallel(cfg)
     log.info("loading target model %s (%s on %s)", cfg.model, cfg.dtype, cfg.device)
-    backend = make_backend(cfg, load_causal_lm(cfg.model, cfg.dtype, cfg.device))
-    run_server(cfg, backend, open_tier(cfg.kv_store, backend, resolve_model(cfg.model), "target"))
+    backend = make_backend(cfg, load_causal_lm(cfg.model, cfg.engine, cfg.dtype, cfg.device))
+    tier = open_tier(cfg.kv_store, backend, resolve_model(cfg.model, cfg.engine.cache_dir), "target")
+    run_server(cfg, backend, tier)
 
 
 def make_backend(cfg: TargetConfig, model):
@@ -58,9 +59,9 @@ def serve_tensor_parallel(cfg: TargetConfig) -> None:
     tp.die_with_parent()
     device, control = tp.init(cfg.device, cfg.dist_timeout_s)
     log.info("rank %d/%d: loading target model %s (%s on %s)", tp.rank(), tp.world_size(), cfg.model, cfg.dtype, device)
-    local = make_backend(cfg, load_causal_lm(cfg.model, cfg.dtype, device, tensor_parallel=True))
-    tier = open_tier(cfg.kv_store, local, resolve_model(cfg.model), "target", tp.world_size(), tp.rank(),
-                     agree=tp.agree_min(control))
+    local = make_backend(cfg, load_causal_lm(cfg.model, cfg.engine, cfg.dtype, device, tensor_parallel=True))
+    tier = open_tier(cfg.kv_store, local, resolve_model(cfg.model, cfg.engine.cache_dir), "target", tp.world_size(),
+                     tp.rank(), agree=tp.agree_min(control))
     if tp.rank() > 0:
         tp.follow(local, control, tier)
         return
@@ -82,8 +83,8 @@ def run_server(cfg: TargetConfig, backend, tier=None) -> None:
     cores = None
     if cfg.solo_threads and cfg.threads and cfg.tensor_parallel_size == 1:
         cores = CoreShare(cfg.threads, cfg.solo_threads)
-    verifier = Verifier(caches, backend.max_context, cfg.batch_window_ms / 1e3, cfg.max_batch, cfg.max_queue, cores,
-                        cfg.prefill_chunk, cfg.prefill_stall)
+    verifier = BatchVerifier(caches, backend.max_context, cfg.batch_window_ms / 1e3, cfg.max_batch, cfg.max_queue,
+                             cores, cfg.prefill_chunk, cfg.prefill_stall)
     service = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
     server = create_server(Lanes(frozenset({f"/{service}/Verify"}), work=cfg.max_queue))
     target_pb2_grpc.add_TargetServicer_to_server(TargetServicer(verifier, cfg.model, cfg.tensor_parallel_size), server)

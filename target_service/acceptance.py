@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec_core.sampling import sample_index
+from specdec_core.engine.sampling import sample_index
 
 
 def accept_probabilities(p: torch.Tensor, q: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -6,13 +6,15 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from specdec_core.kvstore import KVStoreOptions
-from specdec_core.server import ServerOptions
+from specdec_core.engine.options import EngineOptions
+from specdec_core.serving.kvstore import KVStoreOptions
+from specdec_core.serving.server import ServerOptions
 
 
 @dataclass(frozen=True)
 class TargetConfig:
     server: ServerOptions
+    engine: EngineOptions
     model: str = "smollm2"
     dtype: str = "float32"
     device: str = "cpu"
@@ -97,9 +99,10 @@ class TargetConfig:
                             "token, more in proportion where more wait than decode (this CPU: 3-6 tokens beside "
                             "4 sessions; a GPU: up to 256). Lower: steadier decoding, slower prefills; 0: always "
                             "--prefill-chunk")
+        EngineOptions.add_flags(p)
         KVStoreOptions.add_flags(p, "SPECDEC_TARGET")
         ServerOptions.add_flags(p, "SPECDEC_TARGET", port=50052)
         a = p.parse_args(argv)
-        return cls(ServerOptions.from_args(a), a.model, a.dtype, a.device, a.max_cache_tokens,
-                   a.tensor_parallel_size, a.dist_timeout, a.kv_cache, a.batch_window_ms, a.max_batch, a.max_queue,
+        return cls(ServerOptions.from_args(a), EngineOptions.from_args(a), a.model, a.dtype, a.device,
+                   a.max_cache_tokens, a.tensor_parallel_size, a.dist_timeout, a.kv_cache, a.batch_window_ms, a.max_batch, a.max_queue,
                    a.threads, a.solo_threads, a.prefill_chunk, a.prefill_stall, KVStoreOptions.from_args(a))

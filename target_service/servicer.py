@@ -5,13 +5,13 @@ from __future__ import annotations
 from specdec.v1 import target_pb2, target_pb2_grpc
 from specdec_core.errors import grpc_errors
 from specdec_core.limits import validate_session_id
-from specdec_core.server import call_deadline
-from specdec_core.wire import logprobs_to_proto, model_info_to_proto, sampling_from_proto
-from target_service.verifier import Verifier, VerifyTask
+from specdec_core.serving.server import call_deadline
+from specdec_core.serving.wire import logprobs_to_proto, model_info_to_proto, sampling_from_proto
+from target_service.verifier import BatchVerifier, VerifyTask
 
 
 class TargetServicer(target_pb2_grpc.TargetServicer):
-    def __init__(self, verifier: Verifier, model_name: str, tensor_parallel_size: int = 1):
+    def __init__(self, verifier: BatchVerifier, model_name: str, tensor_parallel_size: int = 1):
         self.verifier = verifier
         self.model_info = model_info_to_proto(verifier.caches.backend, model_name, tensor_parallel_size)
 

@@ -27,12 +27,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specdec_core import metrics
-from specdec_core.batching import AGAIN, Again, BatchQueue
-from specdec_core.errors import InvalidArgument, ResourceExhausted
-from specdec_core.kvcache import CachedSequence, SessionCaches
-from specdec_core.limits import MAX_DECODE_STEPS
-from specdec_core.logs import short_id
-from specdec_core.sampling import (
+from specdec_core.engine.batching import AGAIN, Again, BatchQueue
+from specdec_core.engine.kvcache import CachedSequence, SessionCaches
+from specdec_core.engine.sampling import (
     Purpose,
     SamplingConfig,
     TokenLogprob,
@@ -43,6 +40,9 @@ from specdec_core.sampling import (
     token_logprobs,
     validate_sampling,
 )
+from specdec_core.errors import InvalidArgument, ResourceExhausted
+from specdec_core.limits import MAX_DECODE_STEPS, check_token_ids
+from specdec_core.logs import short_id
 from target_service.acceptance import verify_greedy, verify_sampled
 
 ALONE_TOKENS = 256  # a pass of long prefills alone takes this many prompt tokens (or --prefill-chunk, if more)
@@ -181,7 +181,10 @@ class CoreShare:
         return n
 
 
-class Verifier:
+class BatchVerifier:
+    """The target worker's Verify calls: validated, queued, and verified together in batched passes
+    on the engine thread (see the module docstring)."""
+
     def __init__(self, caches: SessionCaches, max_context: int, window_s: float = 0.001, max_batch: int = 32,
                  max_queue: int = 64, cores: CoreShare | None = None, prefill_chunk: int = 0,
                  prefill_stall: float = 0.0, decoding_s: float = DECODING_S, clock: Callable[[], float] = time.monotonic):
@@ -348,11 +351,9 @@ class Verifier:
         if not task.committed_ids:
             raise InvalidArgument("committed_ids", "must not be empty")
         validate_sampling(task.sampling, vocab_size=self.vocab_size)
-        for name, ids in (("committed_ids", task.committed_ids), ("draft_ids", task.draft_ids),
-                          ("stop_token_ids", sorted(task.stop_ids))):
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidArgument(name, f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        check_token_ids("committed_ids", task.committed_ids, self.vocab_size)
+        check_token_ids("draft_ids", task.draft_ids, self.vocab_size)
+        check_token_ids("stop_token_ids", sorted(task.stop_ids), self.vocab_size)
         if len(task.committed_ids) + len(task.draft_ids) > self.max_context:
             raise InvalidArgument("draft_ids", f"sequence would exceed the model's context of {self.max_context}")
         if not 0 <= task.decode_steps <= MAX_DECODE_STEPS:
@@ -365,7 +366,6 @@ class Verifier:
         for i, (token, (ids, probs)) in enumerate(zip(task.draft_ids, task.draft_dists)):
             if len(ids) != len(probs) or len(set(ids)) != len(ids) or not all(p >= 0 for p in probs) or sum(probs) <= 0:
                 raise InvalidArgument(f"draft_distributions[{i}]", "token_ids (distinct) and probs must pair up, probs >= 0")
-            if any(not 0 <= t < self.vocab_size for t in ids):
-                raise InvalidArgument(f"draft_distributions[{i}].token_ids", "token id outside the vocabulary")
+            check_token_ids(f"draft_distributions[{i}].token_ids", ids, self.vocab_size)
             if token not in ids or probs[ids.index(token)] <= 0:
                 raise InvalidArgument(f"draft_distributions[{i}]", f"draft token {token} has probability 0 in it")

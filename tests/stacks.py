@@ -14,9 +14,10 @@ from specdec.v1 import draft_pb2, draft_pb2_grpc, generation_pb2, target_pb2, ta
 
 class ReferenceDecoder:
     def __init__(self, model_ref: str):
-        from specdec_core.models import load_causal_lm
+        from specdec_core.engine.models import load_causal_lm
+        from tiny_models import ENGINE
 
-        self.model = load_causal_lm(model_ref)
+        self.model = load_causal_lm(model_ref, ENGINE)
 
     def __call__(self, input_ids: list[int], max_new_tokens: int) -> list[int]:
         import torch

@@ -9,7 +9,10 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdec_core.models import load_tokenizer
+from specdec_core.engine.models import load_tokenizer
+from specdec_core.engine.options import EngineOptions
+
+ENGINE = EngineOptions.from_env()  # what the workers the tests start get from their flags' defaults
 
 
 def tiny_config(vocab_size: int) -> LlamaConfig:
@@ -30,7 +33,7 @@ def tiny_llama(vocab_size: int = 256, seed: int = 0) -> LlamaForCausalLM:
 
 def make_tiny_pair(root: Path, seed: int = 0, noise: float = 0.02) -> tuple[str, str]:
     """Write target/ and draft/ folders under root (with the SmolLM2 tokenizer); return their paths."""
-    tokenizer = load_tokenizer("smollm2")
+    tokenizer = load_tokenizer("smollm2", ENGINE.cache_dir)
     torch.manual_seed(seed)
     target = LlamaForCausalLM(tiny_config(len(tokenizer))).eval()
     with torch.no_grad():

@@ -9,7 +9,7 @@
 
 from coordinator.policy.acceptance import expected_tokens
 from coordinator.policy.chooser import Choice, SpeculationPolicy
-from coordinator.policy.costs import FIXED, Costs, Prior
+from coordinator.policy.costs import FIXED, Costs, Prior, PriorCosts
 from coordinator.policy.gate import MethodGate
 
-__all__ = ["FIXED", "Choice", "Costs", "MethodGate", "Prior", "SpeculationPolicy", "expected_tokens"]
+__all__ = ["FIXED", "Choice", "Costs", "MethodGate", "Prior", "PriorCosts", "SpeculationPolicy", "expected_tokens"]

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from coordinator.ngram import NgramProposer
 from coordinator.policy.acceptance import LOOKUP_TOKENS, OPTIMISTIC_ALPHA, Rate, expected_tokens
-from coordinator.policy.costs import Costs
+from coordinator.policy.costs import Costs, PriorCosts
 from coordinator.policy.gate import ALL
 from coordinator.request import DraftMethod
 
@@ -66,8 +66,8 @@ def _rank(choice: Choice) -> tuple[float, int]:
 class SpeculationPolicy:
     """One session's choices. `methods`: what it may draft with (K = 0 is always a candidate)."""
 
-    def __init__(self, costs: Costs, methods: frozenset[DraftMethod], overlap: bool, max_k: int | None = None,
-                 ngram: NgramProposer | None = None, decode_steps: int = 0):
+    def __init__(self, costs: Costs | PriorCosts, methods: frozenset[DraftMethod], overlap: bool,
+                 max_k: int | None = None, ngram: NgramProposer | None = None, decode_steps: int = 0):
         self.costs, self.methods, self.overlap, self.max_k = costs, methods, overlap, max_k
         self.decode_steps = decode_steps  # plain steps a round without a draft takes after its verdict
         self.ngram = ngram or NgramProposer()  # whose lookup n-gram rounds would propose
@@ -77,7 +77,6 @@ class SpeculationPolicy:
         self._lookup: list[int] = []
         self._since_model = 0
         self._method = DraftMethod.NONE
-        self._rounds = 0
         self._last_round: float | None = None  # when the previous round was observed (the gate's clock)
 
     def choose(self, committed_ids: list[int], max_k: int, model_ready: bool = True) -> Choice:
@@ -114,15 +113,8 @@ class SpeculationPolicy:
     def observe(self, rnd: Round) -> None:
         """Learn from the round just verified: the costs (shared), each method's acceptance."""
         self.costs.observe(rnd)
-        now = self.costs.gate.clock()
-        if self.costs.learns and self._rounds:  # not the first round: it prefilled
-            # the session's time since its previous round, when longer than the round's own parts:
-            # what the session waited between its rounds is time the mode cost it too (a draft model
-            # under load: the coordinator's turn, the queue for the draft worker's batches)
-            since = (now - self._last_round) * 1e3 if self._last_round is not None else 0.0
-            self.costs.gate.observe(self.costs.active, len(rnd.new_ids), max(rnd.draft_ms + rnd.verify_ms, since))
-        self._last_round = now
-        self._rounds += 1
+        if self.costs.learns:
+            self._time(rnd)
         if rnd.num_drafted and rnd.draft.from_worker:
             successes, trials = rnd.num_accepted, min(rnd.num_drafted, rnd.num_accepted + 1)
             self.alpha.add(successes, trials)
@@ -133,6 +125,16 @@ class SpeculationPolicy:
             self.runs.add(self._hit, matched, seen)
             self.costs.observe_lookup(self._hit, matched, seen)
         self._hit = bool(self._lookup) and rnd.new_ids[:1] == self._lookup[:1]
+
+    def _time(self, rnd: Round) -> None:
+        """Tell the gate the round's tokens and the session's time for it: the time since its previous
+        round, when longer than the round's own parts (what the session waited between its rounds is
+        time the mode cost it too: under load, the coordinator's turn, the draft worker's queue)."""
+        now = self.costs.gate.clock()
+        if self._last_round is not None:  # not the first round: it prefilled
+            since = (now - self._last_round) * 1e3
+            self.costs.gate.observe(self.costs.active, len(rnd.new_ids), max(rnd.draft_ms + rnd.verify_ms, since))
+        self._last_round = now
 
     def _drafting(self, allowed: frozenset[DraftMethod], max_k: int) -> list[Choice]:
         """Every allowed method's candidates, K by K."""

@@ -11,8 +11,9 @@
   (a burst is known before its passes are measured).
 
 `Costs` also holds what every session here shares: the method gate, and the acceptance a new
-session starts from. `FIXED` learns nothing: the prior costs at n = 1, for sampled requests, whose
-choices must depend on nothing that timing or other sessions change.
+session starts from. `PriorCosts` (`FIXED`) answers the same questions from the prior alone, at
+n = 1, whatever is observed: for sampled requests, whose choices must depend on nothing that timing
+or other sessions change.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import math
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from coordinator.policy.acceptance import OPTIMISTIC_ALPHA, Rate, Runs
 from coordinator.policy.gate import GATED, MethodGate
@@ -91,11 +92,12 @@ class Prior:
 
 
 class Costs:
-    """The workers' costs as this coordinator measures them, shared by all its sessions. With
-    `learns` false nothing changes it: not rounds, not acceptance, not requests running."""
+    """The workers' costs as this coordinator measures them, shared by all its sessions."""
 
-    def __init__(self, prior: Prior = Prior(), learns: bool = True, smoothing: float = 0.1):
-        self.prior, self.learns, self.smoothing = prior, learns, smoothing
+    learns: ClassVar[bool] = True
+
+    def __init__(self, prior: Prior = Prior(), smoothing: float = 0.1):
+        self.prior, self.smoothing = prior, smoothing
         self._verify: dict[int, Line] = {}  # threads -> V
         self._unmeasured = Line(prior.verify_ms, prior.verify_ms_per_token)  # V before any pass is seen
         self._draft = PowerLaw(prior.draft_ms_per_token, prior.draft_growth)
@@ -110,8 +112,6 @@ class Costs:
         self._lock = threading.Lock()
 
     def observe(self, rnd: Round) -> None:
-        if not self.learns:
-            return
         v, d, s = rnd.verdict, rnd.draft, self.smoothing
         with self._lock:
             if v is not None and 0 < v.batch_tokens and v.batch_prefill_tokens <= PREFILL_PER_SESSION * v.batch_size:
@@ -130,10 +130,7 @@ class Costs:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        """Count a request as running while it is inside (costs that learn only: the others plan for one)."""
-        if not self.learns:
-            yield
-            return
+        """Count a request as running while it is inside."""
         with self._lock:
             self.active += 1
         try:
@@ -145,17 +142,16 @@ class Costs:
     @property
     def load(self) -> float:
         """Sessions per pass to plan for."""
-        return max(self.batch, self.active) if self.learns else 1.0
+        return max(self.batch, self.active)
 
     def observe_acceptance(self, successes: int, trials: int) -> None:
-        if self.learns and trials:
+        if trials:
             with self._lock:
                 self.acceptance.add(successes, trials)
 
     def observe_lookup(self, hit: bool, matched: int, seen: int) -> None:
-        if self.learns:
-            with self._lock:
-                self.runs.add(hit, matched, seen)
+        with self._lock:
+            self.runs.add(hit, matched, seen)
 
     def prior_acceptance(self) -> float:
         with self._lock:
@@ -183,4 +179,49 @@ class Costs:
             return k * self._draft(sessions) + self.draft_overhead_ms
 
 
-FIXED = Costs(learns=False)  # for sampled requests: the same every time
+@dataclass(frozen=True)
+class PriorCosts:
+    """What a `Costs` predicts before it has seen anything, forever: one session per pass, the
+    prior's lines, the prior acceptance. Nothing it is told changes it."""
+
+    prior: Prior = Prior()
+    learns: ClassVar[bool] = False
+    batch: ClassVar[float] = 1.0
+    load: ClassVar[float] = 1.0  # sessions per pass to plan for
+    active: ClassVar[int] = 0
+
+    @property
+    def verify_overhead_ms(self) -> float:
+        return self.prior.verify_overhead_ms
+
+    @property
+    def draft_overhead_ms(self) -> float:
+        return self.prior.draft_overhead_ms
+
+    def observe(self, rnd: Round) -> None:
+        pass
+
+    def observe_acceptance(self, successes: int, trials: int) -> None:
+        pass
+
+    def observe_lookup(self, hit: bool, matched: int, seen: int) -> None:
+        pass
+
+    def prior_acceptance(self) -> float:
+        return OPTIMISTIC_ALPHA
+
+    def prior_runs(self) -> Runs:
+        return Runs()
+
+    def verify_ms(self, tokens: float, solo: bool, passes: int = 1) -> float:
+        """The prior line, as `Line` evaluates it before any observation (one line for any threads)."""
+        p = self.prior
+        return passes * (p.verify_ms + max(0.0, p.verify_ms_per_token) * tokens) + p.verify_overhead_ms
+
+    def draft_ms(self, k: int, sessions: float) -> float:
+        """The prior power law, as `PowerLaw` evaluates it before any observation."""
+        p = self.prior
+        return k * (p.draft_ms_per_token * sessions ** p.draft_growth) + p.draft_overhead_ms
+
+
+FIXED = PriorCosts()  # for sampled requests: the same every time

@@ -13,8 +13,8 @@ import pytest
 
 from coordinator.loop import NO_DECODE, Draft, Speculator, Verdict, _Bet
 from coordinator.request import RequestContext
+from specdec_core.engine.sampling import SamplingConfig
 from specdec_core.errors import ResourceExhausted
-from specdec_core.sampling import SamplingConfig
 
 GREEDY = SamplingConfig()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from coordinator.ngram import NgramProposer, lookup
 from coordinator.request import RequestContext
-from specdec_core.sampling import SamplingConfig
+from specdec_core.engine.sampling import SamplingConfig
 
 GREEDY = RequestContext("s", SamplingConfig())
 SAMPLED = RequestContext("s", SamplingConfig(temperature=1.0))

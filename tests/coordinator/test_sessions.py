@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from specdec_core.redis_client import connect_redis
+from specdec_core.serving.redis_client import connect_redis
 from coordinator.sessions import RequestRecord, Session, SessionStore
 from specdec.launcher import Stack, _wait_port, free_port, redis_server_binary
 from specdec_core import metrics

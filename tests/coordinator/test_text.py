@@ -7,12 +7,13 @@ import random
 import pytest
 
 from coordinator.text import OutputText, TextCodec
-from specdec_core.models import load_tokenizer
+from specdec_core.engine.models import load_tokenizer
+from tiny_models import ENGINE
 
 
 @pytest.fixture(scope="module")
 def codec() -> TextCodec:
-    return TextCodec(load_tokenizer("smollm2"), "smollm2")
+    return TextCodec(load_tokenizer("smollm2", ENGINE.cache_dir), "smollm2")
 
 
 def feed(out: OutputText, ids: list[int], block: int) -> tuple[str, list[int], bool]:

@@ -182,8 +182,8 @@ def test_proposer_cycles_many_more_sessions_than_slots_and_falls_back_past_the_d
     session longer than the draft's context gets an empty proposal (its round runs at K = 0) without
     failing the others."""
     from draft_service.proposer import ModelProposer, ProposeTask
-    from specdec_core.kvcache import SessionCaches
-    from specdec_core.sampling import SamplingConfig
+    from specdec_core.engine.kvcache import SessionCaches
+    from specdec_core.engine.sampling import SamplingConfig
 
     caches = SessionCaches(backend, role="draft-test")
     proposer = ModelProposer(caches, backend.max_context)

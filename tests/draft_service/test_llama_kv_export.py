@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from draft_service.llama_backend import LlamaCppBackend
-from specdec_core.models import embedded_gguf_path
+from specdec_core.engine.models import embedded_gguf_path
 
 pytestmark = pytest.mark.slow
 

@@ -10,10 +10,10 @@ import torch
 from transformers import LlamaForCausalLM
 
 from draft_service.proposer import ModelProposer, ProposeTask
-from specdec_core.batched_backend import BatchedBackend
-from specdec_core.batching import AGAIN
-from specdec_core.kvcache import SessionCaches
-from specdec_core.sampling import SamplingConfig
+from specdec_core.engine.batched_backend import BatchedBackend
+from specdec_core.engine.batching import AGAIN
+from specdec_core.engine.kvcache import SessionCaches
+from specdec_core.engine.sampling import SamplingConfig
 from tiny_models import tiny_config
 
 VOCAB = 512

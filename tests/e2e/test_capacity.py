@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec import Client
 from specdec.launcher import free_port, redis_server_binary, spawn
-from specdec_core.admission import Lanes
+from specdec_core.serving.admission import Lanes
 from stacks import assert_no_cache_left, end_stream, scrape, start_stack
 
 pytestmark = [pytest.mark.capacity, pytest.mark.e2e]

@@ -200,18 +200,19 @@ def test_a_retry_that_read_the_record_before_its_request_finished_only_replays_i
     from coordinator.generation import Generation
     from coordinator.ngram import NgramProposer
     from coordinator.request import GenerationRequest, Limits
-    from specdec_core.redis_client import connect_redis
+    from specdec_core.serving.redis_client import connect_redis
     from coordinator.sessions import SessionStore
     from coordinator.text import TextCodec
-    from specdec_core.models import load_tokenizer
+    from specdec_core.engine.models import load_tokenizer
+    from tiny_models import ENGINE
 
     cfg = CoordinatorConfig.from_args(["--redis-url", stack.redis_url, "--target", stack.address("target"),
                                        "--draft", stack.address("draft")])
     target, draft = worker_pools(cfg)
     info = target.model_info(60)
     store = SessionStore(connect_redis(stack.redis_url))
-    generation = Generation(store, TextCodec(load_tokenizer(stack.target_model), "tiny"), draft, NgramProposer(),
-                            target, Limits(info.vocab_size, info.max_context, 64, K))
+    codec = TextCodec(load_tokenizer(stack.target_model, ENGINE.cache_dir), "tiny")
+    generation = Generation(store, codec, draft, NgramProposer(), target, Limits(info.vocab_size, info.max_context, 64, K))
     request = GenerationRequest(token_ids=PROMPT, max_new_tokens=N, num_speculative_tokens=K,
                                 request_id="finished-meanwhile")
     first = [t for chunk in generation.run(request) for t in chunk.token_ids]

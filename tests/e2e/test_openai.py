@@ -27,7 +27,7 @@ import torch
 from specdec import Client
 from specdec.client import build_input
 from specdec.v1 import generation_pb2 as pb
-from specdec_core.sampling import SamplingConfig, process_logits
+from specdec_core.engine.sampling import SamplingConfig, process_logits
 from stacks import start_stack
 
 pytestmark = [pytest.mark.openai, pytest.mark.e2e]

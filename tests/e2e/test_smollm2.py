@@ -10,7 +10,8 @@ import pytest
 from stacks import ReferenceDecoder, scrape, start_stack
 from specdec import Client
 from specdec.launcher import free_port
-from specdec_core.models import load_tokenizer
+from specdec_core.engine.models import load_tokenizer
+from tiny_models import ENGINE
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -40,7 +41,7 @@ def reference():
 
 @pytest.mark.lossless
 def test_greedy_identical_to_transformers_generate(smollm2_stack, reference):
-    tokenizer = load_tokenizer("smollm2")
+    tokenizer = load_tokenizer("smollm2", ENGINE.cache_dir)
     with Client(smollm2_stack.address("coordinator"), timeout_s=300) as client:
         assert client.describe().draft.backend == "llama.cpp"
         for prompt in PROMPTS:
@@ -65,7 +66,7 @@ def test_openai_api_logprobs_and_greedy_identity_on_the_real_model(smollm2_stack
     import torch
     from transformers import RepetitionPenaltyLogitsProcessor
 
-    tokenizer = load_tokenizer("smollm2")
+    tokenizer = load_tokenizer("smollm2", ENGINE.cache_dir)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True,
                                         tokenize=True, return_dict=True)["input_ids"]
     sdk = openai.OpenAI(base_url=smollm2_stack.url(), api_key="none", max_retries=0, timeout=300)
@@ -104,7 +105,7 @@ def test_openai_api_logprobs_and_greedy_identity_on_the_real_model(smollm2_stack
 def test_kv_restored_by_restarted_workers_on_the_real_model(smollm2_stack, reference):
     """The KV tier with the real pair: the llama.cpp draft and the float32 target both restore a
     session's KV after a restart of both, and the continuation is what transformers gives."""
-    tokenizer = load_tokenizer("smollm2")
+    tokenizer = load_tokenizer("smollm2", ENGINE.cache_dir)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": " ".join(PROMPTS)}], add_generation_prompt=True,
                                         tokenize=True, return_dict=True)["input_ids"]
     chunks = len(ids) // 16

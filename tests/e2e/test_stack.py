@@ -246,8 +246,9 @@ def test_switching_method_and_k_mid_request_is_lossless(tiny_stack, hf_greedy, m
     from coordinator.request import DraftMethod
     from coordinator.sessions import SessionStore
     from coordinator.text import TextCodec
-    from specdec_core.models import load_tokenizer
-    from specdec_core.redis_client import connect_redis
+    from specdec_core.engine.models import load_tokenizer
+    from specdec_core.serving.redis_client import connect_redis
+    from tiny_models import ENGINE
 
     script = [Choice(DraftMethod.MODEL, 3), Choice(DraftMethod.NGRAM, 4), Choice(DraftMethod.NONE, 0),
               Choice(DraftMethod.MODEL, 1), Choice(DraftMethod.MODEL, 6), Choice(DraftMethod.NGRAM, 2),
@@ -274,7 +275,8 @@ def test_switching_method_and_k_mid_request_is_lossless(tiny_stack, hf_greedy, m
     target, draft = worker_pools(cfg)
     info = target.model_info(60)
     generation = Generation(SessionStore(connect_redis(tiny_stack.redis_url)),
-                            TextCodec(load_tokenizer(tiny_stack.target_model), "tiny"), draft, NgramProposer(), target,
+                            TextCodec(load_tokenizer(tiny_stack.target_model, ENGINE.cache_dir), "tiny"), draft,
+                            NgramProposer(), target,
                             Limits(info.vocab_size, info.max_context, 64, 5, overlap=True))
     start = threading.Barrier(len(POLICY_PROMPTS))
 
@@ -317,3 +319,65 @@ def test_long_prompts_prefilled_in_chunks_beside_decoding_sessions_are_lossless(
     results = generate_at_once(tiny_stack.address("coordinator"), prompts, max_new_tokens=24, **speculation)
     for i, ids in enumerate(prompts):
         assert results[i].token_ids == hf_greedy(ids, 24), i
+
+
+def test_a_generate_request_passes_each_coordinator_file_in_one_stretch(tiny_stack, hf_greedy, monkeypatch):
+    """The request path, traced: a Generate call to the public servicer (served here, in-process, on
+    the stack's workers and Redis), and at each of its worker calls the stack of coordinator files
+    it went through. Each file is one stretch of that stack, so the path reads top to bottom and
+    back up the same way: every coordinator file is visited at most twice (down and up)."""
+    import traceback
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    from coordinator.__main__ import worker_pools
+    from coordinator.config import CoordinatorConfig
+    from coordinator.generation import Generation
+    from coordinator.ngram import NgramProposer
+    from coordinator.request import Limits
+    from coordinator.servicer import GenerationServicer
+    from coordinator.sessions import SessionStore
+    from coordinator.text import TextCodec
+    from coordinator.workers import WorkerClient
+    from specdec.v1 import generation_pb2 as pb
+    from specdec.v1 import generation_pb2_grpc
+    from specdec_core.engine.models import load_tokenizer
+    from specdec_core.serving.redis_client import connect_redis
+    from tiny_models import ENGINE
+
+    root = Path(__file__).resolve().parents[2] / "coordinator"
+    paths: list[tuple[str, ...]] = []
+    call = WorkerClient.call
+
+    def traced(self, method, request, ctx=None, retry_budget_s=None):
+        if ctx is not None:  # a call made for a request
+            files = [Path(f.filename).relative_to(root).as_posix() for f in traceback.extract_stack()
+                     if Path(f.filename).is_relative_to(root)]
+            paths.append(tuple(f for i, f in enumerate(files) if i == 0 or files[i - 1] != f))
+        return call(self, method, request, ctx, retry_budget_s)
+
+    monkeypatch.setattr(WorkerClient, "call", traced)
+    cfg = CoordinatorConfig.from_args(["--redis-url", tiny_stack.redis_url, "--target", tiny_stack.address("target"),
+                                       "--draft", tiny_stack.address("draft")])
+    target, draft = worker_pools(cfg)
+    info = target.model_info(60)
+    generation = Generation(SessionStore(connect_redis(tiny_stack.redis_url)),
+                            TextCodec(load_tokenizer(tiny_stack.target_model, ENGINE.cache_dir), "tiny"), draft,
+                            NgramProposer(), target,
+                            Limits(info.vocab_size, info.max_context, 64, 4))
+    server = grpc.server(ThreadPoolExecutor(4))
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(generation, pb.DescribeModelsResponse()),
+                                                          server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with Client(f"127.0.0.1:{port}", timeout_s=120) as c:
+            result = c.generate(PROMPT_IDS[0], max_new_tokens=24, draft="model", k=4)
+    finally:
+        server.stop(None)
+    assert result.token_ids == hf_greedy(PROMPT_IDS[0], 24)
+    assert len(set(paths)) >= 2  # proposals and verifications
+    for path in set(paths):
+        print(" -> ".join(path))
+        assert path[0] == "servicer.py" and path[-1] == "workers.py"
+        assert len(path) == len(set(path)), f"a coordinator file visited twice on the way down: {path}"

@@ -19,7 +19,7 @@ from typing import Callable
 import pytest
 import torch
 
-from specdec_core.sampling import (
+from specdec_core.engine.sampling import (
     SamplingConfig,
     dense_from_sparse,
     process_logits,

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec_core.batched_backend import BatchedBackend
+from specdec_core.engine.batched_backend import BatchedBackend
+from specdec_core.engine.kvcache import SessionCaches
+from specdec_core.engine.sampling import SamplingConfig
 from specdec_core.errors import InvalidArgument
-from specdec_core.kvcache import SessionCaches
-from specdec_core.sampling import SamplingConfig
-from target_service.verifier import Verifier, VerifyResult, VerifyTask
+from target_service.verifier import BatchVerifier, VerifyResult, VerifyTask
 from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.lossless
@@ -26,15 +26,15 @@ def model():
     return tiny_llama(VOCAB)
 
 
-def verifier(model, max_context: int = 512, max_tokens: int = 4096) -> Verifier:
-    return Verifier(SessionCaches(BatchedBackend(model, max_tokens=max_tokens)), max_context=max_context)
+def verifier(model, max_context: int = 512, max_tokens: int = 4096) -> BatchVerifier:
+    return BatchVerifier(SessionCaches(BatchedBackend(model, max_tokens=max_tokens)), max_context=max_context)
 
 
 def ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def plain_rounds(v: Verifier, committed: list[int], draft: list[int], sampling: SamplingConfig, rounds: int,
+def plain_rounds(v: BatchVerifier, committed: list[int], draft: list[int], sampling: SamplingConfig, rounds: int,
                  dists=()) -> tuple[list[int], list]:
     """The tokens (and logprobs) of a verify round with `draft`, then `rounds` - 1 K = 0 rounds, one call each."""
     tokens, logprobs = [], []
@@ -46,7 +46,7 @@ def plain_rounds(v: Verifier, committed: list[int], draft: list[int], sampling: 
     return tokens, logprobs
 
 
-def one_call(v: Verifier, committed: list[int], draft: list[int], sampling: SamplingConfig, steps: int,
+def one_call(v: BatchVerifier, committed: list[int], draft: list[int], sampling: SamplingConfig, steps: int,
              stop_ids=frozenset(), dists=()) -> tuple[list[int], VerifyResult]:
     result = v.verify(VerifyTask("multi", committed, draft, sampling, seed=7, draft_dists=list(dists),
                                  decode_steps=steps, stop_ids=stop_ids))
@@ -95,7 +95,7 @@ def test_a_step_that_cannot_keep_the_cache_answers_what_it_has(model):
     """A decoding step that does not fit in the KV cache (every block in use by the sessions batched
     with it) ends the call with the tokens decoded so far, instead of failing it."""
     pool = BatchedBackend(model, max_tokens=64, block_size=16)  # 4 blocks
-    v = Verifier(SessionCaches(pool), max_context=512)
+    v = BatchVerifier(SessionCaches(pool), max_context=512)
     prompt = ids(16, 5)
     first = v._verify_batch([VerifyTask("a", prompt, [], GREEDY, decode_steps=3)])[0]  # a fills one block
     step = first.rest
@@ -119,7 +119,7 @@ def test_greedy_calls_end_with_the_call_beside_them_and_sampled_ones_take_every_
     with it (its tokens so far are its answer; the next call goes on from them, so the output is
     the same), so that the sessions come back to the engine together. A sampled call takes all its
     steps: where its rounds end must not depend on what it was batched with."""
-    from specdec_core.batching import Again
+    from specdec_core.engine.batching import Again
 
     v = verifier(model)
     greedy = VerifyTask("g", ids(10, 8), [], GREEDY, decode_steps=6)

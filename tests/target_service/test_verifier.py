@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec_core.batched_backend import BatchedBackend
+from specdec_core.engine.batched_backend import BatchedBackend
+from specdec_core.engine.kvcache import SessionCaches
+from specdec_core.engine.sampling import SamplingConfig
 from specdec_core.errors import ResourceExhausted
-from specdec_core.kvcache import SessionCaches
 from specdec_core.logs import short_id
-from specdec_core.sampling import SamplingConfig
-from target_service.verifier import ALONE_TOKENS, CoreShare, PassCost, PrefillBudget, Verifier, VerifyResult, VerifyTask
+from target_service.verifier import (ALONE_TOKENS, BatchVerifier, CoreShare, PassCost, PrefillBudget, VerifyResult,
+                                     VerifyTask)
 from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.capacity
@@ -35,18 +36,18 @@ def test_a_session_that_does_not_fit_is_refused_alone(model):
              VerifyTask("b", ids(12, 3), [8], SamplingConfig())]
     pool = BatchedBackend(model, max_tokens=64, block_size=16)  # 4 blocks of 16 tokens
     caches = SessionCaches(pool)
-    results = Verifier(caches, max_context=512)._verify_batch(tasks)
+    results = BatchVerifier(caches, max_context=512)._verify_batch(tasks)
 
     assert isinstance(results[1], ResourceExhausted) and short_id("big") in str(results[1])
     for i in (0, 2):  # the others: the verdict each gets alone, in a roomy cache
-        alone = Verifier(SessionCaches(BatchedBackend(model, max_tokens=1024)), max_context=512)
+        alone = BatchVerifier(SessionCaches(BatchedBackend(model, max_tokens=1024)), max_context=512)
         expected = alone._verify_batch([tasks[i]])[0]
         assert (results[i].num_accepted, results[i].next_token_id) == (expected.num_accepted, expected.next_token_id)
         assert results[i].batch_size == 2
         assert results[i].batch_tokens == 10 + 2 + 12 + 1  # what the pass computed: both sessions' tokens
         assert results[i].batch_prefill_tokens == 10 + 12  # of which their prompts
     assert caches.num_free_units == pool.num_free_blocks
-    again = Verifier(caches, max_context=512)._verify_batch([tasks[1]])  # alone, after a and b are idle
+    again = BatchVerifier(caches, max_context=512)._verify_batch([tasks[1]])  # alone, after a and b are idle
     assert not isinstance(again[0], BaseException)  # a and b were evicted to make room
 
 
@@ -77,14 +78,14 @@ def test_a_long_prefill_goes_through_in_chunks_between_the_other_sessions_rounds
     once, not after the prefills; a pass without its round while it still decodes (a round in the last
     `decoding_s`: its next call is on its way) takes 64 too, later passes of the prefills alone 256
     (ALONE_TOKENS); and each long session's verdict, when it comes, is the one an unchunked pass gives."""
-    from specdec_core.batching import AGAIN
+    from specdec_core.engine.batching import AGAIN
 
     long = VerifyTask("long", ids(1000, 7), [11, 12, 13], GREEDY)
     other = VerifyTask("other", ids(300, 9), [4], GREEDY)
     short = VerifyTask("short", ids(9, 8), [5], GREEDY)
     now = [0.0]
-    verifier = Verifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024, prefill_chunk=64,
-                        decoding_s=0.25, clock=lambda: now[0])
+    verifier = BatchVerifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024,
+                             prefill_chunk=64, decoding_s=0.25, clock=lambda: now[0])
     first = verifier._verify_batch([long, other, short])
     assert first[:2] == [AGAIN, AGAIN] and isinstance(first[2], VerifyResult)
     assert first[2].batch_tokens == 64 + 9 + 1 and first[2].batch_prefill_tokens == 64 + 9
@@ -98,7 +99,7 @@ def test_a_long_prefill_goes_through_in_chunks_between_the_other_sessions_rounds
     assert ALONE_TOKENS == 256
     assert [[isinstance(r, VerifyResult) for r in p] for p in passes] == [[False, False]] * 4 + [[True, False], [True]]
     assert passes[4][0].prefill_tokens == 1000 - 2 * 64 - 3 * 256 and passes[4][0].batch_tokens == 104 + 3 + 152
-    whole = Verifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024)
+    whole = BatchVerifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024)
     for task, result in ((long, passes[4][0]), (other, passes[5][0])):
         alone = whole._verify_batch([task])[0]
         assert (result.num_accepted, result.next_token_id) == (alone.num_accepted, alone.next_token_id)
@@ -173,13 +174,13 @@ def test_the_prefill_budget_keeps_a_pass_within_its_stall_by_measured_costs():
 
 def test_a_verifier_chunks_by_what_its_prefill_budget_measured(model):
     """The verifier takes the budget's current figure, not its starting chunk."""
-    from specdec_core.batching import AGAIN
+    from specdec_core.engine.batching import AGAIN
 
     long = VerifyTask("long", ids(500, 7), [11], GREEDY)
     short = VerifyTask("short", ids(6, 8), [5], GREEDY)
     other = VerifyTask("other", ids(6, 9), [5], GREEDY)
-    verifier = Verifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024,
-                        prefill_chunk=16, prefill_stall=2.0)
+    verifier = BatchVerifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024,
+                             prefill_chunk=16, prefill_stall=2.0)
     measured(verifier.prefill, token_ms=2.5)
     first = verifier._verify_batch([long, short, other])  # two rounds of 7 tokens, 24 ms: 9.6 tokens within 2x
     assert first[0] is AGAIN and first[1].batch_tokens == 9 + 7 + 7
@@ -207,8 +208,8 @@ def test_a_pass_is_measured_by_its_rounds_and_all_the_prefill_it_took(model):
     a = VerifyTask("a", ids(9, 1), [11], GREEDY)
     b = VerifyTask("b", ids(20, 2), [12], GREEDY)
     short = VerifyTask("short", ids(6, 3), [5], GREEDY)
-    verifier = Verifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024,
-                        prefill_chunk=8, prefill_stall=2.0)
+    verifier = BatchVerifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024,
+                             prefill_chunk=8, prefill_stall=2.0)
     measured(verifier.prefill, token_ms=2.4, fixed=13.0)  # beside short's round (20 ms), 16 with two waiting
     seen = []
     verifier.prefill.observe = lambda ms, rounds, round_tokens, prefill: seen.append((rounds, round_tokens, prefill))
@@ -221,11 +222,11 @@ def test_sessions_between_calls_still_count_as_decoding(model):
     """A pass carrying one round while three more sessions decoded 0.1 s ago budgets for four
     decoding (their next calls are on their way): fewer wait than decode, so the stall sizes the
     chunk, not the floor; 0.5 s later only this pass's round counts, and the floor is back."""
-    from specdec_core.batching import AGAIN
+    from specdec_core.engine.batching import AGAIN
 
     now = [0.0]
-    verifier = Verifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024,
-                        prefill_chunk=16, prefill_stall=2.0, decoding_s=0.25, clock=lambda: now[0])
+    verifier = BatchVerifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024,
+                             prefill_chunk=16, prefill_stall=2.0, decoding_s=0.25, clock=lambda: now[0])
     short = [VerifyTask(f"s{n}", ids(6, 10 + n), [5], GREEDY) for n in range(6)]
     verifier._verify_batch(short[:4])
     measured(verifier.prefill, token_ms=2.5)
@@ -243,8 +244,8 @@ def test_a_decoding_session_that_sends_a_long_prompt_waits_and_decodes_no_more(m
     decoding: beside one other session's round, as many wait as decode, and the floor holds (were it
     still counted as decoding, the stall would size the chunk: 7 tokens)."""
     now = [0.0]
-    verifier = Verifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024,
-                        prefill_chunk=16, prefill_stall=2.0, decoding_s=0.25, clock=lambda: now[0])
+    verifier = BatchVerifier(SessionCaches(BatchedBackend(model, max_tokens=4096)), max_context=1024,
+                             prefill_chunk=16, prefill_stall=2.0, decoding_s=0.25, clock=lambda: now[0])
     verifier._verify_batch([VerifyTask("s0", ids(6, 10), [5], GREEDY)])
     measured(verifier.prefill, token_ms=2.5)
     now[0] = 0.1

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from specdec_core.batched_backend import BatchedBackend
-from specdec_core.kvcache import SessionCaches
-from specdec_core.sampling import SamplingConfig, adjust_logits
-from target_service.verifier import Verifier, VerifyTask
+from specdec_core.engine.batched_backend import BatchedBackend
+from specdec_core.engine.kvcache import SessionCaches
+from specdec_core.engine.sampling import SamplingConfig, adjust_logits
+from target_service.verifier import BatchVerifier, VerifyTask
 from tiny_models import tiny_config
 
 pytestmark = [pytest.mark.openai, pytest.mark.lossless]
@@ -41,7 +41,7 @@ def one_at_a_time(model, cfg: SamplingConfig, n: int) -> tuple[list[int], list[t
 
 
 def verify(model, draft: list[int], cfg: SamplingConfig):
-    verifier = Verifier(SessionCaches(BatchedBackend(model, max_tokens=1024)), max_context=256)
+    verifier = BatchVerifier(SessionCaches(BatchedBackend(model, max_tokens=1024)), max_context=256)
     (result,) = verifier._verify_batch([VerifyTask("s", PROMPT, draft, cfg)])
     return result
 

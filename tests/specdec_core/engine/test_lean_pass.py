@@ -1,4 +1,4 @@
-"""specdec_core.lean_pass: a Llama-family model's layers run without transformers' module machinery
+"""specdec_core.engine.lean_pass: a Llama-family model's layers run without transformers' module machinery
 give bit for bit the model's own logits, in every kind of batch; a backend uses the lean pass only
 after its first batch agreed, and models it does not fit keep their own forward."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from specdec_core.batched_backend import BatchedBackend
-from specdec_core.cpu_linear import pack_linears
-from specdec_core.lean_pass import LeanPass
+from specdec_core.engine.batched_backend import BatchedBackend
+from specdec_core.engine.cpu_linear import pack_linears
+from specdec_core.engine.lean_pass import LeanPass
 
 VOCAB = 256
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,

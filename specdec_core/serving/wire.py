@@ -4,7 +4,7 @@ protobuf)."""
 from __future__ import annotations
 
 from specdec.v1 import common_pb2
-from specdec_core.sampling import SamplingConfig, TokenLogprob
+from specdec_core.engine.sampling import SamplingConfig, TokenLogprob
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingConfig:

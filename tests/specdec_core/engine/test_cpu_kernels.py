@@ -1,4 +1,4 @@
-"""specdec_core.cpu_kernels: the CPU attention kernel is right (against float64 math), gives a
+"""specdec_core.engine.cpu_kernels: the CPU attention kernel is right (against float64 math), gives a
 position the same bits however it is computed (decoded alone, verified in a block, prefilled,
 batched with other sessions, on any number of threads), and a model that uses it gives the same
 logits through its own forward (transformers' generate) as through BatchedBackend's batches; the
@@ -14,11 +14,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdec_core import cpu_kernels
-from specdec_core.batched_backend import BatchedBackend
-from specdec_core.cpu_linear import pack_linears
+from specdec_core.engine import cpu_kernels
+from specdec_core.engine.batched_backend import BatchedBackend
+from specdec_core.engine.cpu_linear import pack_linears
+from tiny_models import ENGINE
 
-pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler for the kernels")
+pytestmark = pytest.mark.skipif(cpu_kernels.load(ENGINE) is None, reason="no C compiler for the kernels")
 
 HEADS, KV_HEADS, D = 6, 2, 64
 
@@ -127,12 +128,15 @@ def test_padding_falls_back_to_sdpa(caplog):
 
 
 def test_without_a_compiler_models_keep_sdpa(tmp_path):
-    code = ("from specdec_core import cpu_kernels; from transformers import LlamaConfig, LlamaForCausalLM;"
+    code = ("import pathlib, sys; from transformers import LlamaConfig, LlamaForCausalLM;"
+            "from specdec_core.engine import cpu_kernels; from specdec_core.engine.options import EngineOptions;"
             "m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,"
             " num_attention_heads=2, num_key_value_heads=1));"
-            "print(cpu_kernels.library() is None, cpu_kernels.enable(m), m.config._attn_implementation)")
-    env = {**os.environ, "CC": "/bin/false", "SPECDEC_CACHE_DIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+            "lib = cpu_kernels.load(EngineOptions(pathlib.Path(sys.argv[1])));"
+            "print(lib is None, cpu_kernels.enable(m), m.config._attn_implementation)")
+    env = {**os.environ, "CC": "/bin/false"}
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env,
+                          timeout=120)
     assert done.stdout.split() == ["True", "False", "sdpa"], done.stderr
 
 

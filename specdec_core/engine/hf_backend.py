@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from specdec_core.kvcache import logits_per_item
+from specdec_core.engine.kvcache import logits_per_item
 
 
 class HFBackend:

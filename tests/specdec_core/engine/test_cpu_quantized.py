@@ -1,4 +1,4 @@
-"""specdec_core.cpu_quantized: float32 weights that are exactly GGUF Q4_1 or Q8_0 values run from their
+"""specdec_core.engine.cpu_quantized: float32 weights that are exactly GGUF Q4_1 or Q8_0 values run from their
 codes with exactly those weights (a storage format, not a quantization), every output row the same
 whatever else shares the call, and the models made of them give the lean pass's bits and a batch's.
 
@@ -15,10 +15,12 @@ import torch
 from gguf.quants import GGMLQuantizationType, dequantize, quantize
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdec_core import cpu_linear, cpu_quantized
-from specdec_core.batched_backend import BatchedBackend
-from specdec_core.cpu_quantized import QuantizedWeight
+from specdec_core.engine import cpu_kernels, cpu_linear, cpu_quantized
+from specdec_core.engine.batched_backend import BatchedBackend
+from specdec_core.engine.cpu_quantized import QuantizedWeight
+from tiny_models import ENGINE
 
+cpu_kernels.load(ENGINE)
 needs_kernel = pytest.mark.skipif(not cpu_quantized.available(), reason="the kernel needs AVX-512 (F, BW, DQ)")
 needs_int8 = pytest.mark.skipif(not cpu_quantized.int8_available(),
                                 reason="the int8-input kernel needs AVX-512 VNNI and VBMI")
@@ -215,16 +217,16 @@ def test_int8_inputs_without_their_kernel_compute_in_float32(monkeypatch):
     assert cpu_linear.linear_kernel(model) == cpu_quantized.NAME
 
 
-def test_without_the_kernel_the_layers_stay_on_onednn(monkeypatch):
-    """SPECDEC_QUANTIZED_LINEARS=0 (or a CPU without AVX-512): the same model on oneDNN's packed layers."""
+def test_without_the_kernel_the_layers_stay_on_onednn():
+    """`EngineOptions.quantized_linears` off (or a CPU without AVX-512): the same model on oneDNN's
+    packed layers."""
     if not cpu_linear.available(torch.float32):
         pytest.skip("PyTorch built without oneDNN")
-    monkeypatch.setenv("SPECDEC_QUANTIZED_LINEARS", "0")
     model = gguf_llama()
     ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         want = model(ids).logits
-        cpu_linear.pack_linears(model)
+        cpu_linear.pack_linears(model, quantized=False)
         got = model(ids).logits
     assert not any(isinstance(m.specdec_packed_weight, QuantizedWeight)
                    for m in model.modules() if isinstance(m, torch.nn.Linear))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdec_core.engine.kvcache import SessionCaches, common_prefix_len
 from specdec_core.errors import FailedPrecondition, NotFound, ResourceExhausted
-from specdec_core.kvcache import SessionCaches, common_prefix_len
 
 
 class RecordingBackend:

@@ -25,9 +25,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specdec_core.admission import AdmissionInterceptor, Lanes
 from specdec_core.metrics import start_metrics_server
-from specdec_core.security import TlsFiles
+from specdec_core.serving.admission import AdmissionInterceptor, Lanes
+from specdec_core.serving.security import TlsFiles
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ overlapped proposal still on the wire) cannot bring its cache back.
 A `CacheBackend` owns the actual tensors (a transformers `DynamicCache`, a llama.cpp sequence
 slot, ...); `SessionCaches` does the bookkeeping that is the same for all of them.
 
-With a KV tier (`specdec_core.kvstore`), a lease that finds the cache short of the committed
+With a KV tier (`specdec_core.serving.kvstore`), a lease that finds the cache short of the committed
 tokens first restores what the tier holds of them, and a lease that ends well hands the chunks its
 committed tokens completed to the tier.
 """

@@ -8,7 +8,7 @@ import threading
 import pytest
 from grpc_health.v1 import health_pb2
 
-from specdec_core import server
+from specdec_core.serving import server
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 

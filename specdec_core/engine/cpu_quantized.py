@@ -15,7 +15,8 @@ that row alone: not on the other rows of the call, their number, or the threads.
 oneDNN's, so results differ from the packed layers' in the last bits; every path of a worker (and
 the reference `models.load_causal_lm` loads) runs the same layers.
 
-Needs AVX-512 (F, BW, DQ); elsewhere, or with SPECDEC_QUANTIZED_LINEARS=0, layers stay on oneDNN.
+Needs AVX-512 (F, BW, DQ) and the loaded kernels (`cpu_kernels.load`); elsewhere, or with
+`EngineOptions.quantized_linears` off, layers stay on oneDNN.
 
 `int8_inputs=True` is llama.cpp's arithmetic instead, for a draft model: each row's inputs are
 quantized to 8 bits per block of 32 too and a block's products summed in integers (AVX-512 VNNI,
@@ -28,12 +29,11 @@ drafts are reproducible).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from specdec_core import cpu_kernels
+from specdec_core.engine import cpu_kernels
 
 BLOCK = 32
 NAME = "block-quantized"  # what logs and KV layouts call this kernel
@@ -41,8 +41,7 @@ INT8_NAME = "block-quantized-int8-inputs"
 
 
 def available() -> bool:
-    if os.environ.get("SPECDEC_QUANTIZED_LINEARS", "1") == "0":
-        return False
+    """The kernels this process loaded (`cpu_kernels.load`) run block-quantized linears on this CPU."""
     lib = cpu_kernels.library()
     return lib is not None and bool(lib.specdec_quantized_available())
 

@@ -16,7 +16,10 @@ Why: exactness and speed.
 
 The kernel is C compiled here at first use with the system's C compiler (`cc`, or $CC; AVX2/FMA
 when the CPU has them) into the cache directory, and called through ctypes: no build step at
-install. Where no compiler works, or SPECDEC_CPU_ATTENTION=0, models keep SDPA and their own norms.
+install. `load(options)` compiles and loads it once per process (transformers' registry of
+attention implementations, where `enable` puts it, is process-wide too); `library()` is what it
+loaded. Where no compiler works, or with `EngineOptions.cpu_attention` off, models keep SDPA and
+their own norms.
 
 `enable(model)` (called by `models.load_causal_lm` for CPU float32 models) registers the attention
 kernel as the model's attention implementation `specdec-cpu`, which transformers then calls for the
@@ -28,7 +31,6 @@ the lean pass uses `rope_write`, which gives PyTorch's own bits (elementwise, ro
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -40,6 +42,8 @@ import types
 from pathlib import Path
 
 import torch
+
+from specdec_core.engine.options import EngineOptions
 
 log = logging.getLogger(__name__)
 
@@ -86,15 +90,28 @@ def _compile(cache_dir: Path) -> Path | None:
     return None
 
 
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The compiled kernel, or None where it cannot be had (then SDPA serves)."""
-    if os.environ.get("SPECDEC_CPU_ATTENTION", "1") == "0":
-        return None
-    from specdec_core.models import default_cache_dir
+_loaded: dict[str, ctypes.CDLL | None] = {}  # "library": what the first `load` of this process got
 
+
+def load(options: EngineOptions) -> ctypes.CDLL | None:
+    """The kernel library, compiled under `options.cache_dir` and loaded by the first call in this
+    process (later calls return that one); None with `options.cpu_attention` off, or where it cannot
+    be had (then SDPA serves)."""
+    if not options.cpu_attention:
+        return None
+    if "library" not in _loaded:
+        _loaded["library"] = _open(options.cache_dir / "kernels")
+    return _loaded["library"]
+
+
+def library() -> ctypes.CDLL | None:
+    """The library `load` loaded in this process (None before any `load`, or where it failed)."""
+    return _loaded.get("library")
+
+
+def _open(cache_dir: Path) -> ctypes.CDLL | None:
     try:
-        path = _compile(default_cache_dir() / "kernels")
+        path = _compile(cache_dir)
         lib = ctypes.CDLL(str(path)) if path is not None else None
     except OSError:
         log.warning("could not load the CPU attention kernel", exc_info=True)

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from specdec_core.cpu_kernels import is_rms_norm
-from specdec_core.cpu_linear import Fused
+from specdec_core.engine.cpu_kernels import is_rms_norm
+from specdec_core.engine.cpu_linear import Fused
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj", "act_fn")

@@ -1,4 +1,4 @@
-"""specdec_core.kvstore over a real redis-server and the paged backend of a tiny Llama: what one
+"""specdec_core.serving.kvstore over a real redis-server and the paged backend of a tiny Llama: what one
 worker stored, a fresh worker restores bit for bit; a shared prefix is computed once; values that
 are corrupted, truncated or from another model are detected and ignored; a Redis that is down or
 full costs time, never a request."""
@@ -10,9 +10,9 @@ import redis
 import torch
 
 from specdec_core import metrics
-from specdec_core.batched_backend import BatchedBackend
-from specdec_core.kvcache import SessionCaches
-from specdec_core.kvstore import KVStoreOptions, KVTier, prefix_hashes
+from specdec_core.engine.batched_backend import BatchedBackend
+from specdec_core.engine.kvcache import SessionCaches
+from specdec_core.serving.kvstore import KVStoreOptions, KVTier, prefix_hashes
 from redis_servers import RedisServer, free_port
 from tiny_models import tiny_llama
 

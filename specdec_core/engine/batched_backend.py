@@ -75,11 +75,11 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from specdec_core import cpu_kernels
-from specdec_core.cpu_linear import linear_kernel
+from specdec_core.engine import cpu_kernels
+from specdec_core.engine.cpu_linear import linear_kernel
+from specdec_core.engine.kvcache import logits_per_item, prefix_hash
+from specdec_core.engine.lean_pass import LeanPass
 from specdec_core.errors import ResourceExhausted
-from specdec_core.kvcache import logits_per_item, prefix_hash
-from specdec_core.lean_pass import LeanPass
 
 log = logging.getLogger(__name__)
 
@@ -383,7 +383,7 @@ class BatchedBackend:
             return sum(1 for r in self._refs if r > 1)
 
     # ------------------------------------------------------------------------------------------
-    # KV export and import (the Redis KV tier, `specdec_core.kvstore`)
+    # KV export and import (the Redis KV tier, `specdec_core.serving.kvstore`)
 
     def kv_layout(self) -> str:
         """The byte layout of exported KV: blobs are interchangeable between backends that give

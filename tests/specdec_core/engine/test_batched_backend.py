@@ -1,4 +1,4 @@
-"""specdec_core.batched_backend: sessions with different cache lengths and different numbers of
+"""specdec_core.engine.batched_backend: sessions with different cache lengths and different numbers of
 new tokens run through one forward pass and get the logits each would get alone (HFBackend)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdec_core.batched_backend import BatchedBackend
+from specdec_core.engine.batched_backend import BatchedBackend
+from specdec_core.engine.hf_backend import HFBackend
 from specdec_core.errors import ResourceExhausted
-from specdec_core.hf_backend import HFBackend
 
 VOCAB = 256
 ATOL = 1e-4
@@ -259,7 +259,7 @@ def test_session_caches_count_exactly_the_blocks_the_pool_hands_out(model):
     admission can never promise blocks the pool does not have (which once wedged the workers)."""
     import random
 
-    from specdec_core.kvcache import SessionCaches
+    from specdec_core.engine.kvcache import SessionCaches
 
     bb = BatchedBackend(model, max_tokens=128, block_size=16)  # 8 blocks
     caches = SessionCaches(bb, role="pool-test")

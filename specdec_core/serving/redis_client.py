@@ -13,7 +13,7 @@ from redis.retry import Retry
 
 from specdec_core import metrics
 from specdec_core.errors import ResourceExhausted, Unavailable
-from specdec_core.security import TlsFiles
+from specdec_core.serving.security import TlsFiles
 
 
 @contextmanager

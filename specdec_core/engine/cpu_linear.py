@@ -32,8 +32,8 @@ import types
 
 import torch
 
-from specdec_core import cpu_quantized
-from specdec_core.cpu_quantized import QuantizedWeight
+from specdec_core.engine import cpu_quantized
+from specdec_core.engine.cpu_quantized import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +79,11 @@ def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def pack_linears(model: torch.nn.Module, int8_inputs: bool = False) -> int:
+def pack_linears(model: torch.nn.Module, int8_inputs: bool = False, quantized: bool = True) -> int:
     """Pack every linear layer of a CPU model (see the module docstring); the number packed.
     A no-op (0) for a model on another device, of another dtype, or already packed.
+    quantized: layers whose weights are block-quantized values run from their codes, where the
+    loaded kernels can (`cpu_quantized.available`); else all run on oneDNN.
     int8_inputs: block-quantized layers quantize their inputs too (llama.cpp's arithmetic, for a
     draft: `cpu_quantized`), where this CPU has the kernel for it."""
     linears = [m for m in model.modules()
@@ -90,18 +92,18 @@ def pack_linears(model: torch.nn.Module, int8_inputs: bool = False) -> int:
         return 0
     shared = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Linear)
               for p in m.parameters(recurse=False)}
-    codes = linears[0].weight.dtype == torch.float32 and cpu_quantized.available()
+    codes = quantized and linears[0].weight.dtype == torch.float32 and cpu_quantized.available()
     if int8_inputs and not (codes and cpu_quantized.int8_available()):
         log.warning("this CPU has no kernel for int8 inputs (AVX-512 VNNI and VBMI): the linears compute in float32")
         int8_inputs = False
-    quantized = 0
+    from_codes = 0
     for m in linears:
         w = m.weight
         q = cpu_quantized.compress(w) if codes else None
         if q is not None:
             q.int8_inputs = int8_inputs
             m.specdec_packed_weight, m.forward = q, types.MethodType(_quantized_forward, m)
-            quantized += 1
+            from_codes += 1
         else:
             m.specdec_packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach())
             m.forward = types.MethodType(_packed_forward, m)
@@ -111,8 +113,8 @@ def pack_linears(model: torch.nn.Module, int8_inputs: bool = False) -> int:
     # the whole mapping, and the pages the packing read, resident. Copies of them let it go.
     for p in model.parameters():
         p.data = p.data.clone()
-    log.info("%d linear layers run from block-quantized codes (%s), %d on oneDNN with packed weights", quantized,
-             cpu_quantized.INT8_NAME if int8_inputs else cpu_quantized.NAME, len(linears) - quantized)
+    log.info("%d linear layers run from block-quantized codes (%s), %d on oneDNN with packed weights", from_codes,
+             cpu_quantized.INT8_NAME if int8_inputs else cpu_quantized.NAME, len(linears) - from_codes)
     return len(linears)
 
 

@@ -1,6 +1,9 @@
 """A content-addressed KV tier in Redis: a worker that misses a session's KV restores it instead
 of computing it again, and sessions that begin alike compute their common prefix once.
 
+It lives in `serving`, not `engine`: it is the worker's Redis I/O (a writer thread, timeouts,
+backoff), which the engine sees only as `SessionCaches`' tier.
+
 Keys. A sequence is cut into chunks of `chunk_tokens` tokens; chunk j of a sequence is stored
 under `<prefix>kv:<model>:<h_j>` where h_j hashes the whole token prefix up to the chunk's end
 (h_j = blake2b(h_{j-1} + chunk j's tokens)), and <model> is a digest of the model's identity: its
@@ -42,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec_core import metrics
-from specdec_core.kvcache import prefix_hash
+from specdec_core.engine.kvcache import prefix_hash
 
 log = logging.getLogger(__name__)
 
@@ -341,7 +344,7 @@ def open_tier(options: KVStoreOptions, backend, model_path: str, role: str, tp_s
     if not all(hasattr(backend, m) for m in ("kv_layout", "export_kv", "import_kv")):
         log.warning("KV tier: the %s backend cannot export KV; the tier stays off", getattr(backend, "name", "?"))
         return None
-    from specdec_core.redis_client import connect_redis
+    from specdec_core.serving.redis_client import connect_redis
 
     client = connect_redis(options.url, retry_s=0, timeout_s=1.0)
     return KVTier(client, backend, model_fingerprint(model_path), options, role, tp_size, tp_rank, agree)

@@ -1,4 +1,4 @@
-"""specdec_core.cpu_linear: linear layers on oneDNN with packed weights give the model's logits
+"""specdec_core.engine.cpu_linear: linear layers on oneDNN with packed weights give the model's logits
 (to float32 rounding), every row the same whatever else shares the batch, and free the weights
 they replace."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdec_core import cpu_linear
-from specdec_core.batched_backend import BatchedBackend
+from specdec_core.engine import cpu_linear
+from specdec_core.engine.batched_backend import BatchedBackend
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(torch.float32), reason="PyTorch built without oneDNN")
 

@@ -1,4 +1,4 @@
-"""specdec_core.sampling: logit processing, keyed randomness, inverse-CDF sampling, sparse
+"""specdec_core.engine.sampling: logit processing, keyed randomness, inverse-CDF sampling, sparse
 distributions and config validation."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import math
 import pytest
 import torch
 
-from specdec_core.errors import InvalidArgument
-from specdec_core.sampling import (
+from specdec_core.engine.sampling import (
     GREEDY,
     Purpose,
     SamplingConfig,
@@ -20,6 +19,7 @@ from specdec_core.sampling import (
     truncate_top,
     validate_sampling,
 )
+from specdec_core.errors import InvalidArgument
 
 # ----------------------------------------------------------------------------------------------
 # process_logits
@@ -351,7 +351,7 @@ PENALTY_CONFIGS = [
 def test_adjust_logits_rows_follow_their_own_context(cfg, output_start):
     """Row j of a block follows the context plus the block's first j tokens; each row equals the
     hand-written reference on exactly that context (so draft tokens earlier in a block count)."""
-    from specdec_core.sampling import adjust_logits
+    from specdec_core.engine.sampling import adjust_logits
 
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 10, (12,), generator=gen).tolist()  # 12 tokens, repeats guaranteed
@@ -366,7 +366,7 @@ def test_adjust_logits_rows_follow_their_own_context(cfg, output_start):
 
 
 def test_adjust_logits_is_the_identity_without_penalties():
-    from specdec_core.sampling import adjust_logits
+    from specdec_core.engine.sampling import adjust_logits
 
     logits = torch.randn(3, 10)
     assert adjust_logits(logits, SamplingConfig(temperature=0.7, top_k=3, min_p=0.2), [1, 2, 3]) is logits
@@ -388,7 +388,7 @@ def test_min_p_matches_transformers(min_p):
 
 @pytest.mark.openai
 def test_token_logprobs():
-    from specdec_core.sampling import token_logprobs
+    from specdec_core.engine.sampling import token_logprobs
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, 1.0]])
     sampled = process_logits(logits, SamplingConfig(temperature=1.0, top_k=2)).log()

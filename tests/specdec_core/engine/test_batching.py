@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from specdec_core.batching import BatchQueue
+from specdec_core.engine.batching import BatchQueue
 from specdec_core.errors import ResourceExhausted
 
 pytestmark = pytest.mark.capacity
@@ -139,7 +139,7 @@ def test_a_batch_waits_for_the_members_of_the_last_one():
 def test_a_task_answered_again_runs_in_the_next_batch_beside_the_new_ones():
     """Chunked work: a step that answers AGAIN for a task has done a part of it; the task runs again
     in the next batch (with what arrived meanwhile), and its caller gets the last answer."""
-    from specdec_core.batching import AGAIN
+    from specdec_core.engine.batching import AGAIN
 
     batches, parts = [], {"long": 3}
 
@@ -168,7 +168,7 @@ def test_a_task_answered_again_runs_in_the_next_batch_beside_the_new_ones():
 def test_a_task_answered_again_with_its_rest_runs_as_that_next():
     """Multi-step work: `Again(rest)` replaces the task by what is left of it; the caller gets the
     answer of the last part."""
-    from specdec_core.batching import Again
+    from specdec_core.engine.batching import Again
 
     seen = []
 

@@ -15,21 +15,15 @@ import fcntl
 import hashlib
 import importlib.util
 import logging
-import os
 import shutil
 from pathlib import Path
+
+from specdec_core.engine.options import EngineOptions
 
 log = logging.getLogger(__name__)
 
 EMBEDDED_MODEL = "smollm2"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_cache_dir() -> Path:
-    root = os.environ.get("SPECDEC_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "specdec"
-    )
-    return Path(root)
 
 
 def embedded_gguf_path() -> Path:
@@ -51,10 +45,10 @@ def gguf_path(ref: str) -> Path | None:
     return None
 
 
-def resolve_model(ref: str, cache_dir: Path | None = None) -> str:
+def resolve_model(ref: str, cache_dir: Path) -> str:
     """Something `from_pretrained` loads quickly: the reference itself, or for a GGUF file the
-    folder it was converted to (converting it first if needed, under a file lock so that several
-    processes starting together convert it once)."""
+    folder under `cache_dir` it was converted to (converting it first if needed, under a file lock
+    so that several processes starting together convert it once)."""
     gguf = gguf_path(ref)
     if gguf is None:
         return ref
@@ -62,7 +56,7 @@ def resolve_model(ref: str, cache_dir: Path | None = None) -> str:
         raise FileNotFoundError(f"no such GGUF file: {gguf}")
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = (cache_dir or default_cache_dir()) / "converted"
+    root = cache_dir / "converted"
     folder = root / f"{gguf.stem}-{key}"
     if (folder / "config.json").is_file():
         return str(folder)
@@ -92,41 +86,57 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
     tmp.rename(folder)
 
 
-def load_tokenizer(ref: str, cache_dir: Path | None = None):
+def load_tokenizer(ref: str, cache_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(resolve_model(ref, cache_dir))
 
 
-def load_causal_lm(ref: str, dtype: str = "float32", device: str = "cpu", cache_dir: Path | None = None,
+def load_causal_lm(ref: str, options: EngineOptions, dtype: str = "float32", device: str = "cpu",
                    tensor_parallel: bool = False, int8_inputs: bool = False):
     """A transformers causal LM in eval mode, from any model reference. tensor_parallel: shard it
     over the initialized process group with the model's own tensor-parallel plan. On the CPU its
     linear layers run on oneDNN with packed weights, or from their block-quantized codes where the
     float32 weights are exactly GGUF Q4_1 / Q8_0 values (`cpu_linear`, `cpu_quantized`;
-    SPECDEC_PACKED_LINEARS=0 keeps PyTorch's own; not under tensor parallelism, whose hooks wrap the
-    layers' weights) and its
-    attention on our kernel (`cpu_kernels`; SPECDEC_CPU_ATTENTION=0 keeps SDPA): everything that
-    loads a model here runs the same kernels, so their outputs compare bit for bit.
+    `options.packed_linears` and `options.quantized_linears` off keep PyTorch's own and oneDNN; not
+    under tensor parallelism, whose hooks wrap the layers' weights) and its attention on our kernel
+    (`cpu_kernels`; `options.cpu_attention` off keeps SDPA): everything that loads a model here
+    with the same options runs the same kernels, so their outputs compare bit for bit.
     int8_inputs: block-quantized layers run in llama.cpp's arithmetic instead (a draft's choice:
     `cpu_quantized`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from specdec_core import cpu_kernels
+    from specdec_core.engine import cpu_kernels
 
-    path = resolve_model(ref, cache_dir)
+    path = resolve_model(ref, options.cache_dir)
     if tensor_parallel:
         from transformers.distributed import DistributedConfig
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
                                                      distributed_config=DistributedConfig(tp_plan="auto"))
-        cpu_kernels.enable(model)
+        if _load_kernels(model, options):
+            cpu_kernels.enable(model)
         return model.eval()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-    if os.environ.get("SPECDEC_PACKED_LINEARS", "1") != "0":
-        from specdec_core.cpu_linear import pack_linears
+    kernels = _load_kernels(model, options)
+    if options.packed_linears:
+        from specdec_core.engine.cpu_linear import pack_linears
 
-        pack_linears(model, int8_inputs=int8_inputs)
-    cpu_kernels.enable(model)
+        pack_linears(model, int8_inputs=int8_inputs, quantized=kernels and options.quantized_linears)
+    if kernels:
+        cpu_kernels.enable(model)
     return model
+
+
+def _load_kernels(model, options: EngineOptions) -> bool:
+    """Whether our C kernels are loaded for this model: compiled and loaded (`cpu_kernels.load`)
+    only for a CPU float32 model, the only kind they serve."""
+    import torch
+
+    from specdec_core.engine import cpu_kernels
+
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cpu" or param.dtype != torch.float32:
+        return False
+    return cpu_kernels.load(options) is not None
