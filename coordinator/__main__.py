@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     log.info("waiting for the target worker at %s", cfg.target_address)
     target_info = target.model_info(cfg.startup_timeout_s)
     draft_info = _draft_info(draft, wait_s=min(30.0, cfg.startup_timeout_s)) if draft else None
-    codec = TextCodec(load_tokenizer(cfg.tokenizer), cfg.tokenizer)
+    codec = TextCodec(load_tokenizer(cfg.tokenizer, cfg.cache_dir), cfg.tokenizer)
     if len(codec.tokenizer) > target_info.vocab_size:
         raise FailedPrecondition(f"tokenizer {cfg.tokenizer} has {len(codec.tokenizer)} tokens, "
                                  f"the target model only {target_info.vocab_size}")

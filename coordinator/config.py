@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
+from specdec_core.engine.options import default_cache_dir
 from specdec_core.limits import MAX_DECODE_STEPS, MAX_SPECULATIVE_TOKENS
 from specdec_core.serving.security import TlsFiles
 from specdec_core.serving.server import ServerOptions
@@ -22,6 +24,7 @@ class CoordinatorConfig:
     redis_wait_replicas: int = 0
     redis_wait_timeout_ms: int = 1000
     tokenizer: str = "smollm2"
+    cache_dir: Path = Path()  # where a GGUF model's converted tokenizer is kept (the workers' --cache-dir)
     num_speculative_tokens: int = 5
     max_new_tokens: int = 256
     session_ttl_s: int = 86400
@@ -70,7 +73,7 @@ class CoordinatorConfig:
             server=ServerOptions.from_args(a), target_address=a.target, draft_address=a.draft,
             redis_url=a.redis_url, redis_tls=TlsFiles(a.redis_tls_cert, a.redis_tls_key, a.redis_tls_ca),
             redis_retry_s=a.redis_retry, redis_wait_replicas=a.redis_wait_replicas,
-            redis_wait_timeout_ms=a.redis_wait_timeout_ms, tokenizer=a.tokenizer,
+            redis_wait_timeout_ms=a.redis_wait_timeout_ms, tokenizer=a.tokenizer, cache_dir=a.cache_dir,
             num_speculative_tokens=a.num_speculative_tokens, max_new_tokens=a.max_new_tokens,
             session_ttl_s=a.session_ttl, request_ttl_s=a.request_ttl, target_retry_s=a.target_retry,
             draft_retry_s=a.draft_retry, startup_timeout_s=a.startup_timeout,
@@ -124,6 +127,9 @@ def _generation_flags(p: argparse.ArgumentParser, env) -> None:
     """Requests' defaults and bounds, and how rounds run."""
     p.add_argument("--tokenizer", default=env("SPECDEC_TOKENIZER", CoordinatorConfig.tokenizer),
                    help="model reference whose tokenizer to use (the target's)")
+    p.add_argument("--cache-dir", type=Path, default=default_cache_dir(os.environ),
+                   help="where a GGUF model's converted tokenizer is kept, as the workers' --cache-dir "
+                        "(env SPECDEC_CACHE_DIR; default $XDG_CACHE_HOME/specdec or ~/.cache/specdec)")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=CoordinatorConfig.num_speculative_tokens,
                    help="default K (draft tokens per round)")
     p.add_argument("--max-new-tokens", type=int, default=CoordinatorConfig.max_new_tokens, help="default max_new_tokens")

@@ -227,7 +227,7 @@ class SuffixProposer:
                  alpha: float = 2.0, min_prob: float = 0.2, max_occurrences: int = 16):
         if not 1 <= min_match <= max_match or max_occurrences < 1 or alpha <= 0:
             raise ValueError("need 1 <= min_match <= max_match, max_occurrences >= 1 and alpha > 0")
-        self.index = index or SuffixIndex()
+        self.index = index if index is not None else SuffixIndex()
         self.max_match, self.min_match = max_match, min_match
         self.alpha, self.min_prob, self.max_occurrences = alpha, min_prob, max_occurrences
         self.rungs = tuple(sorted({min_match, *(r for r in MATCH_RUNGS if min_match < r <= max_match)}))

@@ -88,37 +88,51 @@ def test_a_shorter_match_that_many_agree_on_beats_a_longer_rare_one():
 
 def reference(seqs: list[list[int]], ids: list[int], k: int, p: SuffixProposer) -> list[int]:
     """The module docstring's rule by brute force, every occurrence counted: the session's own
-    tokens, then the tenant's sequences (oldest first). An occurrence is (sequence, its next token's
-    index), newest last; one that ends a sequence counts too, the tail itself (own) does not."""
+    tokens, then the tenant's sequences (oldest first)."""
     tail = ids[-p.max_match:]
     best: list[int] = []
     best_score = 0.0
     for source, ends in (([ids], 0), (seqs, 1)):
-        matches = {}
-        for s, seq in enumerate(source):
-            for e in range(1, len(seq) + ends):
-                m = next((m for m in range(min(len(tail), e)) if seq[e - 1 - m] != tail[-1 - m]), min(len(tail), e))
-                if m >= p.min_match:
-                    matches[s, e] = m
+        matches = brute_matches(source, tail, ends, p.min_match)
         for rung in reversed(p.rungs):
             occurrences = sorted((o for o, m in matches.items() if m >= rung), reverse=True)
-            if not occurrences:
-                continue
-            cap = min(k, int(p.alpha * min(matches[o] for o in occurrences) + 1e-9))
-            path, score, live = [], 0.0, occurrences
-            while len(path) < cap:
-                nexts = [source[s][e + len(path)] for s, e in live if e + len(path) < len(source[s])]
-                if not nexts:
-                    break
-                token = max(dict.fromkeys(nexts), key=nexts.count)  # the newest of the most frequent
-                if nexts.count(token) / len(occurrences) < p.min_prob:
-                    break
-                score += nexts.count(token) / len(occurrences)
-                path.append(token)
-                live = [(s, e) for s, e in live if e + len(path) <= len(source[s]) and source[s][e + len(path) - 1] == token]
-            if score > best_score:
-                best, best_score = path, score
+            if occurrences:
+                cap = min(k, int(p.alpha * min(matches[o] for o in occurrences) + 1e-9))
+                path, score = brute_walk(source, occurrences, cap, p.min_prob)
+                if score > best_score:
+                    best, best_score = path, score
     return best
+
+
+def brute_matches(source: list[list[int]], tail: list[int], ends: int, min_match: int) -> dict:
+    """(sequence, next token's index) -> match length, for every match of at least min_match; one
+    that ends a sequence counts when `ends` (the tenant's), the own tail itself does not."""
+    matches = {}
+    for s, seq in enumerate(source):
+        for e in range(1, len(seq) + ends):
+            longest = min(len(tail), e)
+            m = next((m for m in range(longest) if seq[e - 1 - m] != tail[-1 - m]), longest)
+            if m >= min_match:
+                matches[s, e] = m
+    return matches
+
+
+def brute_walk(source: list[list[int]], occurrences: list, cap: int, min_prob: float) -> tuple[list[int], float]:
+    """The most frequent path from the occurrences (newest first) and the sum of its probabilities."""
+    path: list[int] = []
+    score, live = 0.0, occurrences
+    while len(path) < cap:
+        j = len(path)
+        nexts = [source[s][e + j] for s, e in live if e + j < len(source[s])]
+        if not nexts:
+            break
+        token = max(dict.fromkeys(nexts), key=nexts.count)  # the newest of the most frequent
+        if nexts.count(token) / len(occurrences) < min_prob:
+            break
+        score += nexts.count(token) / len(occurrences)
+        path.append(token)
+        live = [(s, e) for s, e in live if e + j < len(source[s]) and source[s][e + j] == token]
+    return path, score
 
 
 @pytest.mark.parametrize("seed", range(4))
