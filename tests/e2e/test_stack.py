@@ -346,14 +346,15 @@ def test_a_generate_request_passes_each_coordinator_file_in_one_stretch(tiny_sta
     from tiny_models import ENGINE
 
     root = Path(__file__).resolve().parents[2] / "coordinator"
-    paths: list[tuple[str, ...]] = []
+    paths: dict[str, set[tuple[str, ...]]] = {}  # request type -> the paths it was sent along
     call = WorkerClient.call
 
     def traced(self, method, request, ctx=None, retry_budget_s=None):
         if ctx is not None:  # a call made for a request
             files = [Path(f.filename).relative_to(root).as_posix() for f in traceback.extract_stack()
                      if Path(f.filename).is_relative_to(root)]
-            paths.append(tuple(f for i, f in enumerate(files) if i == 0 or files[i - 1] != f))
+            path = tuple(f for i, f in enumerate(files) if i == 0 or files[i - 1] != f)
+            paths.setdefault(type(request).__name__, set()).add(path)
         return call(self, method, request, ctx, retry_budget_s)
 
     monkeypatch.setattr(WorkerClient, "call", traced)
@@ -376,8 +377,8 @@ def test_a_generate_request_passes_each_coordinator_file_in_one_stretch(tiny_sta
     finally:
         server.stop(None)
     assert result.token_ids == hf_greedy(PROMPT_IDS[0], 24)
-    assert len(set(paths)) >= 2  # proposals and verifications
-    for path in set(paths):
-        print(" -> ".join(path))
+    assert {"ProposeRequest", "VerifyRequest"} <= set(paths)
+    for kind, path in ((kind, path) for kind in paths for path in paths[kind]):
+        print(kind, ":", " -> ".join(path))
         assert path[0] == "servicer.py" and path[-1] == "workers.py"
         assert len(path) == len(set(path)), f"a coordinator file visited twice on the way down: {path}"
