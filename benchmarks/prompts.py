@@ -1,10 +1,14 @@
-"""The benchmark's prompt sets: open chat, code, and input-grounded work (rewrite, summarize, edit a
-passage of 100-300 words given in the prompt, so that prompt lookup has material to copy from).
+"""The benchmark's prompt sets: open chat, code, input-grounded work (rewrite, summarize, edit a
+passage of 100-300 words given in the prompt, so that prompt lookup has material to copy from), and
+repetitive traffic (templated extraction, agent tool calls, code edits: see `repetitive`).
 
-Every prompt is one user message; the chat template is applied by whoever serves it.
+Every prompt is a list of chat messages (one user message, but for the agent turns of the repetitive
+set); the chat template is applied by whoever serves it.
 """
 
 from __future__ import annotations
+
+import json
 
 CHAT = [
     "Explain in a few sentences why the sky is blue.",
@@ -194,7 +198,6 @@ GROUNDED = [
     "facts.\n\n" + _MARKET,
 ]
 
-SETS: dict[str, list[str]] = {"chat": CHAT, "code": CODE, "grounded": GROUNDED}
 GROUNDED_SET = "grounded"
 
 
@@ -202,9 +205,206 @@ def messages(prompt: str) -> list[dict]:
     return [{"role": "user", "content": prompt}]
 
 
+# The repetitive set: what templated and agentic traffic looks like to a suffix index. Three kinds of
+# single-turn request, interleaved (item i is kind i % 3, so any prefix holds all three), each kind
+# with a fixed instruction and output format and an input that differs in every item: an extraction
+# service (the same JSON fields from a new message), an agent loop (the same tool list, a new task
+# and tool result, answered by a tool-call JSON object) and code edits (a short function and an edit
+# that asks for the whole function back). Held out: nothing in the project is tuned on it (the
+# suffix proposer's parameters come from benchmarks/suffix_lookup.py's synthetic data).
+#
+# Item j of a kind picks each field as values[j % len(values)]; the lengths are chosen so that the
+# tuple of picks repeats only after thousands of items, so every item's input is distinct: items
+# 0..23 (the set) and REPETITIVE_HISTORY_START.. (the unmeasured history a benchmark row's tenant
+# has served before it) never share an input.
+
+REPETITIVE_SET = "repetitive"
+REPETITIVE_KINDS = ("extraction", "tool_call", "code_edit")
+REPETITIVE_SIZE = 24
+REPETITIVE_HISTORY_START = 999  # a multiple of 3: the history interleaves the kinds like the set
+
+_EXTRACT_INSTRUCTION = (
+    "Extract the following fields from the message below: the sender's name, the sender's company, the city, "
+    "the date and the amount. Answer with a JSON object only, in exactly this format:\n"
+    '{"name": "...", "company": "...", "city": "...", "date": "...", "amount": "..."}\n\nMessage:\n')
+_EXTRACT_TEMPLATES = (
+    "Hello, this is {name} from {company}. Please find attached our invoice for the {item} delivered to your "
+    "warehouse in {city} on {date}. The total due is {amount}, payable within thirty days. Thank you for your "
+    "business.",
+    "Dear accounts team, I am writing on behalf of {company} about the order of {item} that we shipped to {city}. "
+    "Our records show a payment of {amount} received on {date}, but the order is still marked as unpaid in your "
+    "portal. Could you check this? Best regards, {name}",
+    "Hi! Quick reminder from {name} ({company}): the quote for the {item} is {amount}, valid until {date}. "
+    "Installation would be done by our team in {city}. Let me know if you want to go ahead.",
+    "Subject: refund request. Good morning, my name is {name} and I work for {company} in {city}. On {date} we "
+    "were charged {amount} twice for the same delivery of {item}. Please refund the duplicate charge.",
+)
+_NAMES = ("Anna Keller", "Marco Rossi", "Priya Nair", "Tom Becker", "Lucia Fernandez", "Kenji Sato",
+          "Olga Ivanova", "David Okafor", "Sara Lindqvist", "Ahmed Haddad", "Emily Clarke")
+_COMPANIES = ("Northwind Traders", "Bluefin Logistics", "Greenleaf Foods", "Atlas Engineering",
+              "Brightpath Software", "Harbor Textiles", "Summit Medical Supplies", "Redwood Furniture",
+              "Clearwater Energy")
+_CITIES = ("Lisbon", "Rotterdam", "Toronto", "Melbourne", "Osaka", "Nairobi", "Denver")
+_DATES = ("3 March 2025", "17 January 2025", "28 February 2025", "9 April 2025", "21 May 2025", "2 June 2025",
+          "14 July 2025", "30 August 2025", "11 September 2025", "6 October 2025", "19 November 2025",
+          "1 December 2025", "24 December 2025")
+_AMOUNTS = ("EUR 1,240.00", "USD 389.50", "GBP 2,015.75", "EUR 76.20", "USD 12,480.00")
+_ITEMS = ("office chairs", "printer toner", "server racks", "safety helmets", "coffee beans", "LED panels")
+
+_TOOLS = (
+    {"name": "search_flights", "description": "Find flights between two cities on a date",
+     "parameters": {"origin": "string", "destination": "string", "date": "YYYY-MM-DD"}},
+    {"name": "book_flight", "description": "Book a flight returned by search_flights",
+     "parameters": {"flight_id": "string", "passenger": "string"}},
+    {"name": "get_weather", "description": "The weather forecast for a city on a date",
+     "parameters": {"city": "string", "date": "YYYY-MM-DD"}},
+    {"name": "send_email", "description": "Send an email",
+     "parameters": {"to": "string", "subject": "string", "body": "string"}},
+    {"name": "lookup_customer", "description": "Find a customer by email address",
+     "parameters": {"email": "string"}},
+    {"name": "create_ticket", "description": "Open a support ticket for a customer",
+     "parameters": {"customer_id": "string", "priority": "low|normal|high", "summary": "string"}},
+)
+_AGENT_SYSTEM = (
+    "You are an assistant that completes tasks by calling tools. Reply with exactly one JSON object of the form "
+    '{"tool": "<tool name>", "arguments": {...}} and nothing else. After each call you get the tool\'s result. '
+    "Available tools:\n" + "\n".join(json.dumps(tool) for tool in _TOOLS))
+_ISO_DATES = ("2025-03-14", "2025-04-02", "2025-05-19", "2025-06-07", "2025-07-23", "2025-08-11", "2025-09-30")
+_ROUTES = (("Madrid", "Vienna"), ("Chicago", "Boston"), ("Seoul", "Singapore"), ("Dublin", "Prague"),
+           ("Lima", "Santiago"), ("Oslo", "Hamburg"), ("Cairo", "Athens"), ("Perth", "Auckland"),
+           ("Montreal", "Miami"), ("Zurich", "Stockholm"), ("Delhi", "Dubai"))
+_EMAILS = ("j.moreau@example.com", "li.wei@example.org", "k.schmidt@example.net", "a.silva@example.com",
+           "m.brown@example.org", "r.gupta@example.net", "n.kowalski@example.com", "e.dubois@example.org",
+           "t.yamada@example.net", "h.jensen@example.com", "c.romero@example.org", "s.ali@example.net",
+           "p.novak@example.com")
+_FORECASTS = (("light rain", 14, 8), ("sunny", 27, 16), ("overcast", 11, 5), ("thunderstorms", 22, 17),
+              ("snow showers", -1, -6))
+_PROBLEMS = ("the export to CSV fails with an error", "they cannot log in since the last update",
+             "invoices show the wrong currency", "the mobile app crashes on start",
+             "two users see each other's dashboards")
+
+
+def _tool_call(tool: str, **arguments) -> str:
+    return json.dumps({"tool": tool, "arguments": arguments})
+
+
+def _agent_turn(j: int) -> list[dict]:
+    """A task, the agent's first tool call and its result: the answer is the next tool call."""
+    date, email = _ISO_DATES[j % len(_ISO_DATES)], _EMAILS[j % len(_EMAILS)]
+    name = _NAMES[j % len(_NAMES)]
+    origin, destination = _ROUTES[j % len(_ROUTES)]
+    if j % 3 == 0:
+        task = f"Book the cheapest flight from {origin} to {destination} on {date} for {name}."
+        call = _tool_call("search_flights", origin=origin, destination=destination, date=date)
+        price = 90 + 37 * (j % 13)
+        result = {"flights": [{"flight_id": f"SX{400 + j % 97}", "price": price + 64, "departs": "07:40"},
+                              {"flight_id": f"KL{120 + j % 89}", "price": price, "departs": "13:05"},
+                              {"flight_id": f"AZ{700 + j % 83}", "price": price + 18, "departs": "19:20"}]}
+    elif j % 3 == 1:
+        task = f"Check the weather in {destination} on {date} and email the forecast to {email}."
+        call = _tool_call("get_weather", city=destination, date=date)
+        sky, high, low = _FORECASTS[j % len(_FORECASTS)]
+        result = {"city": destination, "date": date, "forecast": sky, "high_c": high, "low_c": low}
+    else:
+        problem, priority = _PROBLEMS[j % len(_PROBLEMS)], ("normal", "high", "low", "high")[j % 4]
+        task = f"The customer {email} reports that {problem}. Open a {priority} priority ticket for them."
+        call = _tool_call("lookup_customer", email=email)
+        result = {"customer_id": f"C-{48000 + 173 * j % 9973}", "name": name, "email": email,
+                  "plan": ("business", "starter", "enterprise")[j % 3]}
+    return [{"role": "system", "content": _AGENT_SYSTEM}, {"role": "user", "content": task},
+            {"role": "assistant", "content": call},
+            {"role": "user", "content": "Tool result: " + json.dumps(result)}]
+
+
+_FUNCTIONS = (  # (function names, body with {fn} and {var})
+    (("order_total", "cart_total", "invoice_total"), '''def {fn}(items, rate):
+    {var} = 0.0
+    for item in items:
+        price = item["price"] * item["quantity"]
+        if item.get("discounted"):
+            price = price * (1 - rate)
+        {var} += price
+    return round({var}, 2)'''),
+    (("count_words", "word_frequencies", "tally_words"), '''def {fn}(text):
+    {var} = {{}}
+    for line in text.splitlines():
+        for word in line.lower().split():
+            word = word.strip(".,;:!?")
+            if word:
+                {var}[word] = {var}.get(word, 0) + 1
+    return {var}'''),
+    (("moving_average", "rolling_mean", "smooth"), '''def {fn}(values, window):
+    {var} = []
+    for i in range(len(values) - window + 1):
+        chunk = values[i:i + window]
+        {var}.append(sum(chunk) / window)
+    return {var}'''),
+    (("parse_config", "read_settings", "load_options"), '''def {fn}(path):
+    {var} = {{}}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, value = line.split("=", 1)
+            {var}[key.strip()] = value.strip()
+    return {var}'''),
+    (("find_duplicates", "repeated_items", "duplicates"), '''def {fn}(items):
+    seen = set()
+    {var} = []
+    for item in items:
+        if item in seen and item not in {var}:
+            {var}.append(item)
+        seen.add(item)
+    return {var}'''),
+)
+_OLD_NAMES = ("acc", "tmp", "res", "out", "buf", "data", "x")
+_NEW_NAMES = ("result", "collected", "answer", "output", "accumulator", "values", "found", "gathered",
+              "totals", "entries", "summary")
+_EDITS = (
+    "Rename the variable {var} to {new} in the following Python function. Return the full function.",
+    "Add a docstring to the following Python function that says what it does and what it returns. Return the "
+    "full function.",
+    "Add type hints to the parameters and the return value of the following Python function. Return the full "
+    "function.",
+    "Add a keyword parameter verbose=False to the following Python function; when it is true, print the value of "
+    "{var} before returning it. Return the full function.",
+)
+
+
+def _code_edit(j: int) -> list[dict]:
+    names, body = _FUNCTIONS[j % len(_FUNCTIONS)]
+    var = _OLD_NAMES[j % len(_OLD_NAMES)]
+    edit = _EDITS[j % len(_EDITS)].format(var=var, new=_NEW_NAMES[j % len(_NEW_NAMES)])
+    return messages(edit + "\n\n" + body.format(fn=names[j % len(names)], var=var))
+
+
+def _extraction(j: int) -> list[dict]:
+    template = _EXTRACT_TEMPLATES[j % len(_EXTRACT_TEMPLATES)]
+    return messages(_EXTRACT_INSTRUCTION + template.format(
+        name=_NAMES[j % len(_NAMES)], company=_COMPANIES[j % len(_COMPANIES)], city=_CITIES[j % len(_CITIES)],
+        date=_DATES[j % len(_DATES)], amount=_AMOUNTS[j % len(_AMOUNTS)], item=_ITEMS[j % len(_ITEMS)]))
+
+
+def repetitive_kind(index: int) -> str:
+    return REPETITIVE_KINDS[index % len(REPETITIVE_KINDS)]
+
+
+def repetitive(n: int, start: int = 0) -> list[list[dict]]:
+    """Items start..start+n of the repetitive set, as chat messages (see above)."""
+    make = {"extraction": _extraction, "tool_call": _agent_turn, "code_edit": _code_edit}
+    return [make[repetitive_kind(i)](i // len(REPETITIVE_KINDS)) for i in range(start, start + n)]
+
+
+SETS: dict[str, list[str] | list[list[dict]]] = {"chat": CHAT, "code": CODE, "grounded": GROUNDED,
+                                                 REPETITIVE_SET: repetitive(REPETITIVE_SIZE)}
+
+
 def take(name: str, n: int | None) -> list[list[dict]]:
     """The first n prompts of a set as chat messages (all of them when n is None; cycled when n is
-    larger than the set)."""
+    larger than the set, but for the repetitive set, which makes n distinct items for any n)."""
+    if name == REPETITIVE_SET:
+        return repetitive(REPETITIVE_SIZE if n is None else n)
     prompts = SETS[name]
     n = len(prompts) if n is None else n
     return [messages(prompts[i % len(prompts)]) for i in range(n)]

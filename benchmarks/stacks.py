@@ -5,6 +5,9 @@ a private Redis that can be killed and brought back.
 - pinned: the draft on one core with one thread, the target on another with one torch
   thread, so that overlapping draft and verify has a core to gain (on 2 shared cores, unpinned,
   they just take turns).
+
+Every request is sent with the bearer token of a tenant (`TenantTokens`): the coordinator's suffix
+index is per tenant, so the tenant decides which earlier requests a request may draft from.
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+import grpc
 import redis
 
 from measure import MemoryProbe, Request
@@ -75,18 +79,61 @@ class RedisProcess:
         self.proc.wait(20)
 
 
-def main_stack(log_dir: Path, device: str, draft_backend: str) -> Stack:
+class TenantTokens:
+    """One bearer token per tenant, written to `path` as the coordinator's --auth-tokens-file. The
+    coordinator reads the file once, at its start, so every tenant a run will use is named up front."""
+
+    def __init__(self, tenants: Iterable[str], path: Path):
+        self.tokens = {tenant: f"bench-{tenant}" for tenant in sorted(set(tenants))}
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(f"{tenant}:{token}\n" for tenant, token in self.tokens.items()))
+
+    def __call__(self, tenant: str) -> str:
+        """The tenant's token."""
+        if tenant not in self.tokens:
+            raise KeyError(f"tenant {tenant!r} has no token (the run's tenants are named before the stack starts)")
+        return self.tokens[tenant]
+
+    @property
+    def coordinator_args(self) -> list[str]:
+        return ["--auth-tokens-file", str(self.path)]
+
+
+class TenantClients:
+    """An open Client per tenant, connected before its first request (no measured request pays for
+    a connection). close() closes them all."""
+
+    def __init__(self, address: str, tokens: TenantTokens):
+        self.address, self.tokens, self.clients = address, tokens, {}
+
+    def __call__(self, tenant: str) -> Client:
+        if tenant not in self.clients:
+            client = Client(self.address, timeout_s=CLIENT_TIMEOUT_S, token=self.tokens(tenant))
+            grpc.channel_ready_future(client.channel).result(timeout=60)
+            self.clients[tenant] = client
+        return self.clients[tenant]
+
+    def close(self) -> None:
+        for client in self.clients.values():
+            client.close()
+        self.clients.clear()
+
+
+def main_stack(log_dir: Path, device: str, draft_backend: str, tokens: TenantTokens) -> Stack:
     target = ["--device", device] if device != "cpu" else []
-    return Stack(log_dir=log_dir, args={"draft": ["--backend", draft_backend], "target": target})
+    return Stack(log_dir=log_dir, args={"draft": ["--backend", draft_backend], "target": target,
+                                        "coordinator": tokens.coordinator_args})
 
 
-def pinned_stack(log_dir: Path, device: str, draft_backend: str) -> PinnedStack:
+def pinned_stack(log_dir: Path, device: str, draft_backend: str, tokens: TenantTokens) -> PinnedStack:
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         raise RuntimeError("the pinned layout needs two cores")
     one_thread = ["env", "OMP_NUM_THREADS=1", "MKL_NUM_THREADS=1"]  # torch reads these at import
     target = ["--device", device] if device != "cpu" else []
-    return PinnedStack(log_dir=log_dir, args={"draft": ["--backend", draft_backend, "--threads", "1"], "target": target},
+    return PinnedStack(log_dir=log_dir, args={"draft": ["--backend", draft_backend, "--threads", "1"], "target": target,
+                                              "coordinator": tokens.coordinator_args},
                        prefixes={"draft": ["taskset", "-c", str(cores[0])],
                                  "target": one_thread + ["taskset", "-c", str(cores[1])]})
 
@@ -136,19 +183,20 @@ def specdec_request(client: Client, index: int, messages: list[dict], options: d
     return request
 
 
-def specdec_runner(client: Client, options: dict) -> Callable[[int, list[dict], int], Request]:
-    def run(index: int, messages: list[dict], max_new_tokens: int) -> Request:
-        return specdec_request(client, index, messages, {**options, "max_new_tokens": max_new_tokens})
+def specdec_runner(clients: TenantClients, options: dict) -> Callable[[int, list[dict], int, str], Request]:
+    """(prompt index, messages, max new tokens, tenant) -> the request, sent as that tenant."""
+    def run(index: int, messages: list[dict], max_new_tokens: int, tenant: str) -> Request:
+        return specdec_request(clients(tenant), index, messages, {**options, "max_new_tokens": max_new_tokens})
 
     return run
 
 
 def run_batch(address: str, jobs: list[tuple[int, list[dict]]], concurrency: int, options: dict,
-              on_done: Callable[[Request, float], None], start_after: dict[int, float] | None = None
-              ) -> tuple[list[Request], float]:
-    """c client threads against a specdec stack (see run_concurrently). start_after: prompt index ->
-    seconds its thread waits before sending it."""
-    clients = [Client(address, timeout_s=CLIENT_TIMEOUT_S) for _ in range(concurrency)]
+              on_done: Callable[[Request, float], None], start_after: dict[int, float] | None = None,
+              token: str = "") -> tuple[list[Request], float]:
+    """c client threads against a specdec stack (see run_concurrently), sending as the tenant of
+    `token`. start_after: prompt index -> seconds its thread waits before sending it."""
+    clients = [Client(address, timeout_s=CLIENT_TIMEOUT_S, token=token) for _ in range(concurrency)]
 
     def send(t: int, index: int, messages: list[dict]) -> Request:
         time.sleep((start_after or {}).get(index, 0.0))

@@ -41,7 +41,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from coordinator.ngram import NgramProposer  # noqa: E402
 from coordinator.suffix import SuffixIndex, SuffixProposer  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "suffix_lookup.json"
@@ -49,6 +48,17 @@ VOCAB = 49152
 PUNCT = (123, 125, 1, 25, 11)  # {  }  "  :  ,
 LOOKUP_TOKENS = 10
 COSTS = (0.02, 0.1)
+
+
+def ngram_continuation(ids: list[int], num_tokens: int, max_ngram: int = 4, min_ngram: int = 2) -> list[int]:
+    """Prompt lookup (the n-gram method suffix decoding replaced), as the baseline: the tokens after the
+    most recent earlier occurrence of the longest trailing n-gram, min_ngram <= n <= max_ngram."""
+    for n in range(min(max_ngram, len(ids) - 1), min_ngram - 1, -1):
+        tail = ids[-n:]
+        for start in range(len(ids) - n - 1, -1, -1):
+            if ids[start:start + n] == tail:
+                return ids[start + n:start + n + num_tokens]
+    return []
 
 
 class Tenant:
@@ -165,8 +175,7 @@ def replays(a: argparse.Namespace, cum: list[float], sweep: list[tuple[float, fl
     tenants = {f"t{i}": Tenant(rng, cum) for i in range(4)}
     requests = [(name, *tenant.request(a.doc_tokens))
                 for _ in range(a.replay) for name, tenant in tenants.items()]
-    ngram = NgramProposer()
-    rows = {"ngram": replay(lambda ids, _: ngram.continuation(ids, LOOKUP_TOKENS), requests, lambda *_: None)}
+    rows = {"ngram": replay(lambda ids, _: ngram_continuation(ids, LOOKUP_TOKENS), requests, lambda *_: None)}
     for alpha, min_prob in sweep:
         p = SuffixProposer(SuffixIndex(), alpha=alpha, min_prob=min_prob)
         rows[f"suffix alpha={alpha} min_prob={min_prob}"] = replay(

@@ -10,12 +10,14 @@ import redis
 
 from coordinator.config import CoordinatorConfig
 from coordinator.generation import Generation
-from coordinator.ngram import NgramProposer
+from coordinator.policy import Prior
 from coordinator.request import Limits
 from specdec_core.serving.redis_client import connect_redis
 from coordinator.routing import ReplicaPool, Routed, discover
 from coordinator.servicer import GenerationServicer
 from coordinator.sessions import SessionStore
+from coordinator.suffix import SuffixIndex, SuffixProposer
+from coordinator.suffix_share import SuffixShare
 from coordinator.tenancy import RequestQuota, Tenants, read_tenant_tokens
 from coordinator.text import TextCodec
 from coordinator.workers import ChannelSettings, DraftClient, DraftsInFlight, TargetClient
@@ -46,6 +48,14 @@ def worker_pools(cfg: CoordinatorConfig) -> tuple[Routed, Routed | None]:
                                                          in_flight=drafts),
                                    cfg.draft_retry_s, fail_fast=True))
     return target, draft
+
+
+def suffix_proposer(cfg: CoordinatorConfig, client: redis.Redis) -> SuffixProposer:
+    """Suffix decoding over the session and its tenant's finished requests (every replica's, with
+    --suffix-share)."""
+    index = SuffixIndex(cfg.suffix_max_requests, cfg.suffix_max_tokens, cfg.suffix_max_total_tokens)
+    share = SuffixShare(client, index).start() if cfg.suffix_share else None
+    return SuffixProposer(index, publish=share.publish if share else None)
 
 
 def _draft_info(draft: Routed, wait_s: float):
@@ -79,7 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     store = SessionStore(connect_redis(cfg.redis_url, cfg.redis_tls, cfg.redis_retry_s), ttl_seconds=cfg.session_ttl_s,
                          wait_replicas=cfg.redis_wait_replicas, wait_timeout_ms=cfg.redis_wait_timeout_ms,
                          max_sessions_per_tenant=cfg.tenant_max_sessions, request_ttl_seconds=cfg.request_ttl_s)
-    generation = Generation(store, codec, draft, NgramProposer(), target, limits, RequestQuota(cfg.tenant_max_requests))
+    generation = Generation(store, codec, draft, suffix_proposer(cfg, store.redis), target, limits,
+                            RequestQuota(cfg.tenant_max_requests), Prior.for_models(
+                                target_info.num_parameters, draft_info.num_parameters if draft_info else 0))
     describe = pb.DescribeModelsResponse(
         target=target_info, draft=draft_info, tokenizer=cfg.tokenizer,
         default_num_speculative_tokens=cfg.num_speculative_tokens, default_max_new_tokens=cfg.max_new_tokens,

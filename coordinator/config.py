@@ -40,6 +40,10 @@ class CoordinatorConfig:
     tenant_max_requests: int = 0
     worker_tls: TlsFiles = TlsFiles()
     worker_tls_server_name: str = ""
+    suffix_max_requests: int = 256  # per tenant, in the suffix index
+    suffix_max_tokens: int = 65536  # per tenant
+    suffix_max_total_tokens: int = 1 << 20  # all tenants together
+    suffix_share: bool = True  # every replica's finished requests in every replica's index, via Redis
 
     def __post_init__(self):
         if not self.redis_url:
@@ -57,6 +61,8 @@ class CoordinatorConfig:
         for name in ("redis_wait_replicas", "tenant_max_sessions", "tenant_max_requests"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if min(self.suffix_max_requests, self.suffix_max_tokens, self.suffix_max_total_tokens) < 1:
+            raise ValueError("the suffix index's bounds must be >= 1")
         if self.redis_wait_timeout_ms < 1:
             raise ValueError("redis_wait_timeout_ms must be >= 1")
 
@@ -65,7 +71,7 @@ class CoordinatorConfig:
         env = os.environ.get
         p = argparse.ArgumentParser(prog="specdec coordinator",
                                     description="Run the coordinator (public Generation API, speculative loop).")
-        for add_flags in (_worker_flags, _redis_flags, _generation_flags, _tenancy_flags):
+        for add_flags in (_worker_flags, _redis_flags, _generation_flags, _suffix_flags, _tenancy_flags):
             add_flags(p, env)
         ServerOptions.add_flags(p, "SPECDEC", port=50050)
         a = p.parse_args(argv)
@@ -81,7 +87,9 @@ class CoordinatorConfig:
             auth_tokens_file=a.auth_tokens_file,
             tenant_max_sessions=a.tenant_max_sessions, tenant_max_requests=a.tenant_max_requests,
             worker_tls=TlsFiles(a.worker_tls_cert, a.worker_tls_key, a.worker_tls_ca),
-            worker_tls_server_name=a.worker_tls_server_name,
+            worker_tls_server_name=a.worker_tls_server_name, suffix_max_requests=a.suffix_max_requests,
+            suffix_max_tokens=a.suffix_max_tokens, suffix_max_total_tokens=a.suffix_max_total_tokens,
+            suffix_share=a.suffix_share,
         )
 
 
@@ -170,3 +178,22 @@ def _tenancy_flags(p: argparse.ArgumentParser, env) -> None:
                    default=int(env("SPECDEC_TENANT_MAX_REQUESTS", CoordinatorConfig.tenant_max_requests)),
                    help="generations at once per tenant in this coordinator (0: no limit but "
                         "--max-concurrent-requests)")
+
+
+def _suffix_flags(p: argparse.ArgumentParser, env) -> None:
+    """The suffix index: what suffix decoding drafts from besides the session's own tokens."""
+    c = CoordinatorConfig
+    p.add_argument("--suffix-max-requests", type=int,
+                   default=int(env("SPECDEC_SUFFIX_MAX_REQUESTS", c.suffix_max_requests)),
+                   help="finished requests (prompt + output) kept per tenant for suffix decoding, the oldest "
+                        "out first")
+    p.add_argument("--suffix-max-tokens", type=int, default=int(env("SPECDEC_SUFFIX_MAX_TOKENS", c.suffix_max_tokens)),
+                   help="tokens kept per tenant (bounds a lookup: ~0.3 ms at 64k tokens)")
+    p.add_argument("--suffix-max-total-tokens", type=int,
+                   default=int(env("SPECDEC_SUFFIX_MAX_TOTAL_TOKENS", c.suffix_max_total_tokens)),
+                   help="tokens kept over all tenants, 4 bytes each; the least recently used tenant's oldest "
+                        "requests out first")
+    p.add_argument("--suffix-share", action=argparse.BooleanOptionalAction,
+                   default=env("SPECDEC_SUFFIX_SHARE", "1") != "0",
+                   help="publish finished requests to every coordinator replica's index through Redis (one "
+                        "capped stream per tenant), and read theirs; a replica that starts warms up from them")

@@ -13,8 +13,8 @@ def fixed_choice(req: GenerationRequest, default_k: int, has_model: bool) -> tup
     k = default_k if req.num_speculative_tokens is None else req.num_speculative_tokens
     if req.method is DraftMethod.NONE or k == 0:
         return DraftMethod.NONE, 0
-    if req.method is DraftMethod.NGRAM:
-        return DraftMethod.NGRAM, k
+    if req.method is DraftMethod.SUFFIX:
+        return DraftMethod.SUFFIX, k
     return DraftMethod.MODEL, k if has_model else 0
 
 
@@ -35,10 +35,10 @@ class Drafting:
     def round(self, committed_ids: list[int], room: int, first: bool) -> Round:
         """One round of at most `room` draft tokens; `first`: the request's first (it prefills)."""
         method, k, stand_in = self._choose(committed_ids, room, first)
-        # multi-step plain decoding after plain and n-gram rounds (their steps keep the batch in step; a
+        # multi-step plain decoding after plain and suffix rounds (their steps keep the batch in step; a
         # model round's next block is drafting), but not in a request's first round (its first token
         # would wait) nor in a stand-in's (the draft's warm-up may end within a step)
-        plain = k == 0 or method is DraftMethod.NGRAM
+        plain = k == 0 or method is DraftMethod.SUFFIX
         steps = min(self.decode_steps, room - k) if plain and not first and not stand_in else 0
         decode = Decode(steps, self.stop_ids) if steps > 0 else NO_DECODE
         rnd = self.speculator.round(committed_ids, k, self.proposers.get(method), decode)

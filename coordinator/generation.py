@@ -25,7 +25,7 @@ from dataclasses import replace
 from coordinator.drafting import Drafting, fixed_choice
 from coordinator.finish import StopRule
 from coordinator.loop import Proposer, Round, Speculator, Verifier
-from coordinator.policy import FIXED, Costs, SpeculationPolicy
+from coordinator.policy import Costs, Prior, PriorCosts, SpeculationPolicy
 from coordinator.request import (
     Chunk,
     DraftMethod,
@@ -36,6 +36,7 @@ from coordinator.request import (
     Stats,
 )
 from coordinator.sessions import DEFAULT_TENANT, RequestRecord, Session, SessionStore
+from coordinator.suffix import SuffixProposer
 from coordinator.tenancy import RequestQuota
 from coordinator.text import OutputText, TextCodec
 from coordinator.validation import validate_request
@@ -48,17 +49,18 @@ log = logging.getLogger(__name__)
 
 
 class Generation:
-    def __init__(self, store: SessionStore, codec: TextCodec, proposer: Proposer | None, ngram: Proposer,
-                 verifier: Verifier, limits: Limits, quota: RequestQuota | None = None):
+    def __init__(self, store: SessionStore, codec: TextCodec, proposer: Proposer | None, suffix: SuffixProposer,
+                 verifier: Verifier, limits: Limits, quota: RequestQuota | None = None, prior: Prior = Prior()):
         self.store = store
         self.quota = quota or RequestQuota()
         self._prefetch = ThreadPoolExecutor(max_workers=limits.max_concurrent_requests, thread_name_prefix="prefetch")
         self.codec = codec
         self.proposer = proposer
-        self.ngram = ngram
+        self.suffix = suffix  # drafts from the session's tokens and its tenant's finished requests
         self.verifier = verifier
         self.limits = limits
-        self.costs = Costs()  # the workers' costs as measured here, for every session's policy
+        self.costs = Costs(prior)  # the workers' costs as measured here, for every session's policy
+        self.fixed_costs = PriorCosts(prior)  # a sampled request's: the same whatever the load
 
     def run(self, req: GenerationRequest, is_cancelled: Callable[[], bool] = lambda: False,
             tenant: str = DEFAULT_TENANT, deadline: float | None = None) -> Iterator[Chunk]:
@@ -157,6 +159,7 @@ class Generation:
                 continue
             log.info("generated %d tokens (%s) in %d rounds, %.0f ms", generated, finish.value, stats.rounds,
                      stats.wall_ms)
+            self.suffix.finished(ctx.tenant, session.token_ids[-(prompt_tokens + generated):])
             yield Chunk(session.session_id, text, new_ids, finish, prompt_tokens, generated,
                         len(session.token_ids), stats, logprobs)
             return
@@ -214,8 +217,8 @@ class Generation:
     def _drafting(self, req: GenerationRequest, ctx: RequestContext, stop_ids: frozenset[int]) -> Drafting:
         overlap = self.limits.overlap if req.overlap is None else req.overlap
         decode_steps = self.limits.decode_steps if req.decode_steps is None else req.decode_steps
-        proposers = {DraftMethod.MODEL: self.proposer, DraftMethod.NGRAM: self.ngram}
-        policy = self._policy(req, overlap, decode_steps)
+        proposers = {DraftMethod.MODEL: self.proposer, DraftMethod.SUFFIX: self.suffix}
+        policy = self._policy(req, ctx.tenant, overlap, decode_steps)
         fixed = fixed_choice(req, self.limits.default_k, self.proposer is not None)
         if policy is not None:  # the speculator's own proposer is the one that overlaps
             own = self.proposer if DraftMethod.MODEL in policy.methods else None
@@ -225,19 +228,20 @@ class Generation:
         return Drafting(Speculator(ctx, own, self.verifier, executor), proposers, policy, fixed, decode_steps,
                         stop_ids)
 
-    def _policy(self, req: GenerationRequest, overlap: bool, decode_steps: int) -> SpeculationPolicy | None:
+    def _policy(self, req: GenerationRequest, tenant: str, overlap: bool, decode_steps: int
+                ) -> SpeculationPolicy | None:
         """The per-round choice of draft method and K, for a request that fixes neither (or asks for
         `adaptive`: then among its method and none). Sampled requests choose from fixed costs, so
         that a seed gives the same tokens whatever the load."""
         fixed = req.method is not None or req.num_speculative_tokens is not None
         if req.method is DraftMethod.NONE or (fixed and not req.adaptive):
             return None
-        methods = {DraftMethod.MODEL, DraftMethod.NGRAM} if req.method is None else {req.method}
+        methods = {DraftMethod.MODEL, DraftMethod.SUFFIX} if req.method is None else {req.method}
         if self.proposer is None:
             methods.discard(DraftMethod.MODEL)
-        costs = self.costs if req.sampling.is_greedy else FIXED
-        return SpeculationPolicy(costs, frozenset(methods), overlap, req.num_speculative_tokens, self.ngram,
-                                 decode_steps)
+        costs = self.costs if req.sampling.is_greedy else self.fixed_costs
+        return SpeculationPolicy(costs, frozenset(methods), overlap, req.num_speculative_tokens,
+                                 lambda ids, n: self.suffix.continuation(ids, n, tenant), decode_steps)
 
     def _input_ids(self, req: GenerationRequest, session: Session) -> list[int]:
         if req.token_ids is not None:

@@ -23,7 +23,7 @@ class DraftMethod(enum.Enum):
     server's speculation policy (`None`), which chooses among them round by round."""
 
     MODEL = "model"  # the draft worker's model
-    NGRAM = "ngram"  # prompt lookup in the session's own tokens, in the coordinator
+    SUFFIX = "suffix"  # suffix decoding in the coordinator: the session's tokens and its tenant's earlier requests
     NONE = "none"  # no draft: plain target decoding (K = 0)
 
 
@@ -112,7 +112,7 @@ class Stats:
     last_k: int = 0
     max_verify_batch_size: int = 0
     model_rounds: int = 0  # rounds drafted by the draft model
-    ngram_rounds: int = 0  # by n-gram lookup
+    suffix_rounds: int = 0  # by suffix decoding
     decoded: int = 0  # tokens the target decoded in plain steps after a verdict (one pass each)
     generated: int = 0  # tokens committed
     requests: int = 0  # requests served (a session's count)
@@ -127,7 +127,7 @@ class Stats:
         self.max_verify_batch_size = max(self.max_verify_batch_size, rnd.verify_batch_size)
         if rnd.num_drafted:
             self.model_rounds += rnd.draft.from_worker
-            self.ngram_rounds += not rnd.draft.from_worker
+            self.suffix_rounds += not rnd.draft.from_worker
         self.decoded += len(rnd.verdict.decoded_ids) if rnd.verdict is not None else 0
         self.generated += num_committed
 

@@ -17,7 +17,8 @@ from specdec_core.serving.wire import logprobs_to_proto, sampling_from_proto, sa
 
 _METHODS = MappingProxyType({  # DRAFT_METHOD_UNSPECIFIED: None, the server's policy chooses
     pb.DRAFT_METHOD_MODEL: DraftMethod.MODEL,
-    pb.DRAFT_METHOD_NGRAM: DraftMethod.NGRAM,
+    pb.DRAFT_METHOD_SUFFIX: DraftMethod.SUFFIX,
+    pb.DRAFT_METHOD_NGRAM: DraftMethod.SUFFIX,  # its old name
     pb.DRAFT_METHOD_NONE: DraftMethod.NONE,
 })
 _FINISH = MappingProxyType({
@@ -61,7 +62,7 @@ def stats_to_proto(s: Stats) -> pb.SpeculationStats:
         mean_accepted_length=(s.accepted + s.rounds) / s.rounds if s.rounds else 0.0,
         wall_ms=s.wall_ms, draft_ms=s.draft_ms, verify_ms=s.verify_ms, overhead_ms=overhead,
         last_k=s.last_k, max_verify_batch_size=s.max_verify_batch_size, model_rounds=s.model_rounds,
-        ngram_rounds=s.ngram_rounds, decoded=s.decoded,
+        suffix_rounds=s.suffix_rounds, decoded=s.decoded,
     )
 
 

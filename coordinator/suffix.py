@@ -52,6 +52,7 @@ from __future__ import annotations
 import threading
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coordinator.loop import Draft
@@ -224,10 +225,12 @@ class SuffixProposer:
     within 4% of the best at a CPU-like one (0.1). m_min = 2, n-gram lookup's minimum."""
 
     def __init__(self, index: SuffixIndex | None = None, max_match: int = 32, min_match: int = 2,
-                 alpha: float = 2.0, min_prob: float = 0.2, max_occurrences: int = 16):
+                 alpha: float = 2.0, min_prob: float = 0.2, max_occurrences: int = 16,
+                 publish: Callable[[str, list[int]], None] | None = None):
         if not 1 <= min_match <= max_match or max_occurrences < 1 or alpha <= 0:
             raise ValueError("need 1 <= min_match <= max_match, max_occurrences >= 1 and alpha > 0")
         self.index = index if index is not None else SuffixIndex()
+        self.publish = publish  # tells the other coordinator replicas (coordinator/suffix_share.py)
         self.max_match, self.min_match = max_match, min_match
         self.alpha, self.min_prob, self.max_occurrences = alpha, min_prob, max_occurrences
         self.rungs = tuple(sorted({min_match, *(r for r in MATCH_RUNGS if min_match < r <= max_match)}))
@@ -249,8 +252,11 @@ class SuffixProposer:
         return path if score > best_score else best
 
     def finished(self, tenant: str, token_ids: list[int]) -> None:
-        """Index a finished request (its prompt + output) for the tenant's later requests."""
+        """Index a finished request (its prompt + output) for the tenant's later requests, here and,
+        with `publish`, on every replica."""
         self.index.add(tenant, token_ids)
+        if self.publish is not None:
+            self.publish(tenant, token_ids)
 
     def _best(self, tape: bytes, pattern: bytes, end: int, num_tokens: int) -> tuple[list[int], float]:
         """The highest-scoring continuation from one tape (only occurrences within tape[:end])."""

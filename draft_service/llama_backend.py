@@ -84,6 +84,7 @@ class LlamaCppBackend:
             raise RuntimeError(f"llama.cpp could not load {gguf_path}")
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.vocab_size = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        self.num_parameters = int(llama_cpp.llama_model_n_params(self._model))
         ftype = llama_cpp.llama_ftype_name(llama_cpp.llama_model_ftype(self._model))
         self.ftype = (ftype or b"").decode()  # the weights' quantization, e.g. "Q4_1"
 

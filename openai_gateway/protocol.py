@@ -152,7 +152,7 @@ def _sampling(kind: str, body: dict) -> common_pb2.SamplingParams:
 
 
 def _speculation(body: dict, spec: pb.SpeculationParams) -> None:
-    """The `speculation` extension: {"method": "model"|"ngram"|"none", "num_speculative_tokens",
+    """The `speculation` extension: {"method": "model"|"suffix"|"none" ("ngram": "suffix"), "num_speculative_tokens",
     "adaptive", "overlap", "decode_steps"}."""
     given = body.get("speculation") or {}
     if not isinstance(given, dict):

@@ -1,6 +1,6 @@
 """`specdec`: run the services, the whole local stack, or talk to a deployment.
 
-    specdec demo                      # local stack on the embedded model, a real prompt, speedup
+    specdec demo                      # local stack on the embedded model: a chat and a repetitive request, speedups
     specdec up                        # local stack; Ctrl-C (or SIGTERM, SIGHUP) stops it
     specdec generate "Why is the sky blue?" --address localhost:50050
     specdec coordinator|draft|target --help
@@ -16,11 +16,20 @@ import time
 
 import grpc
 
-from specdec.client import Client, stats_dict
-from specdec.v1 import generation_pb2 as pb
+from specdec import demo
+from specdec.client import DRAFT_METHODS, Client
+from specdec.terminal import stream_to_terminal
 
 SERVICES = {"coordinator": "coordinator", "draft": "draft_service", "target": "target_service"}
 DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
+DEMO_HELP = """Start the local stack on the embedded model (as `specdec up` does) and answer two requests,
+each first with speculation (the coordinator's policy, unless --draft or -k say otherwise) and then
+with the target alone:
+  - PROMPT, a chat answer, streamed;
+  - a repetitive request: the same JSON extraction over a new text, after three earlier ones whose
+    prompts and answers the coordinator's suffix index has seen.
+For each: the speedup, which drafting method the policy chose per round, and whether the two answers
+are token-identical, as greedy decoding requires (exit status 1 if they are not). Then the stack stops."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,9 +72,10 @@ def parser() -> argparse.ArgumentParser:
                    help="port of the OpenAI-compatible HTTP API (default 8000; 0: do not start it)")
     u.set_defaults(func=cmd_up)
 
-    d = sub.add_parser("demo", help="start the local stack, answer a prompt with and without speculation")
+    d = sub.add_parser("demo", help="start the local stack; a chat answer and a repetitive request, with and "
+                       "without speculation", description=DEMO_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     _stack_flags(d)
-    d.add_argument("prompt", nargs="?", default=DEMO_PROMPT)
+    d.add_argument("prompt", nargs="?", default=DEMO_PROMPT, help=f"the chat request (default: {DEMO_PROMPT!r})")
     _generation_flags(d, max_new_tokens=128)
     d.set_defaults(func=cmd_demo)
 
@@ -98,11 +108,11 @@ def _generation_flags(p: argparse.ArgumentParser, max_new_tokens: int | None = N
     p.add_argument("--repetition-penalty", type=float, default=None, help="transformers' (> 0; 1: off)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--draft", choices=["default", "model", "ngram", "none"], default="default",
+    p.add_argument("--draft", choices=list(DRAFT_METHODS), default="default",
                    help="drafting method; none = plain target decoding; default: the coordinator's policy "
                         "chooses the method and K every round (unless -k is given: the draft model with that K)")
     p.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=None, help="draft tokens per round")
-    p.add_argument("--adaptive", action="store_true", help="with --draft model or ngram: choose per round between it (at most -k "
+    p.add_argument("--adaptive", action="store_true", help="with --draft model or suffix: choose per round between it (at most -k "
                    "tokens) and no draft, from the measured acceptance and costs")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="draft the next block while the target verifies this one (default: the server's)")
@@ -135,37 +145,6 @@ def _gen_kwargs(a: argparse.Namespace) -> dict:
                 repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop, draft=a.draft, k=a.k,
                 adaptive=a.adaptive, overlap=a.overlap, min_draft_confidence=a.min_draft_confidence,
                 decode_steps=a.decode_steps)
-
-
-def stream_to_terminal(client: Client, prompt, quiet: bool = False, **kwargs) -> dict:
-    """Stream a generation to stdout; return its stats plus client-side timings."""
-    started = time.perf_counter()
-    first = None
-    last = None
-    for chunk in client.stream(prompt, **kwargs):
-        if first is None and chunk.token_ids:
-            first = time.perf_counter()
-        print(chunk.text, end="", flush=True)
-        last = chunk
-    wall = time.perf_counter() - started
-    print()
-    stats = stats_dict(last.stats)
-    stats.update(session_id=last.session_id, completion_tokens=last.usage.completion_tokens,
-                 finish_reason=pb.FinishReason.Name(last.finish_reason), client_wall_s=wall,
-                 ttft_ms=((first or started) - started) * 1e3,
-                 tokens_per_s=last.usage.completion_tokens / wall if wall > 0 else 0.0)
-    if not quiet:
-        print(format_stats(stats), file=sys.stderr)
-    return stats
-
-
-def format_stats(s: dict) -> str:
-    return (f"[{s['completion_tokens']} tokens in {s['client_wall_s']:.2f} s = {s['tokens_per_s']:.1f} tok/s | "
-            f"TTFT {s['ttft_ms']:.0f} ms | rounds {s['rounds']}"
-            f"{f' + {d} decoded' if (d := s.get('decoded')) else ''} | acceptance {s['acceptance_rate']:.0%} "
-            f"({s['accepted']}/{s['drafted']}) | {s['mean_accepted_length']:.2f} tokens/round | "
-            f"draft {s['draft_ms']:.0f} ms, verify {s['verify_ms']:.0f} ms, other {s['overhead_ms']:.0f} ms | "
-            f"{s['finish_reason'].removeprefix('FINISH_REASON_').lower()} | session {s['session_id']}]")
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -260,28 +239,9 @@ def cmd_demo(a: argparse.Namespace) -> int:
     stack = _start_stack(a)
     try:
         with Client(stack.address("coordinator")) as client:
-            kwargs = _gen_kwargs(a)
-            for draft in ("default", "none"):  # warm both paths up (first calls pay one-off costs)
-                client.generate("Hi!", chat=True, max_new_tokens=4, draft=draft)
-            print(f"\n>>> {a.prompt}\n", file=sys.stderr)
-            spec = stream_to_terminal(client, a.prompt, chat=True, **kwargs)
-            print("\n--- the same request with the target alone (K = 0, same path) ---", file=sys.stderr)
-            kwargs["draft"] = "none"
-            base = stream_to_terminal(client, a.prompt, chat=True, quiet=True, **kwargs)
-            print(format_stats(base), file=sys.stderr)
-            same = "identical" if spec["completion_tokens"] == base["completion_tokens"] else "different"
-            print(f"\nspeedup: {spec['tokens_per_s'] / base['tokens_per_s']:.2f}x "
-                  f"({spec['tokens_per_s']:.1f} vs {base['tokens_per_s']:.1f} tokens/s; output length {same}); "
-                  f"acceptance {spec['acceptance_rate']:.0%}, {spec['mean_accepted_length']:.2f} tokens per verify round",
-                  file=sys.stderr)
-            if spec["tokens_per_s"] < base["tokens_per_s"]:
-                print("(slower than the target alone: where a draft token costs about what a target token does, "
-                      "as with the embedded pair on a CPU (both read the same 4-bit codes), speculation has little "
-                      "to win; a draft several times smaller than its target is what pays. benchmarks/README.md: "
-                      "\"Why speculation with this draft cannot pay much here\")", file=sys.stderr)
+            return demo.run(client, a.prompt, _gen_kwargs(a))
     finally:
         _stop(stack)
-    return 0
 
 
 def cmd_session(a: argparse.Namespace) -> int:

@@ -14,7 +14,8 @@ from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
 
 DRAFT_METHODS = {"default": pb.DRAFT_METHOD_UNSPECIFIED, "model": pb.DRAFT_METHOD_MODEL,
-                 "ngram": pb.DRAFT_METHOD_NGRAM, "none": pb.DRAFT_METHOD_NONE}
+                 "suffix": pb.DRAFT_METHOD_SUFFIX, "ngram": pb.DRAFT_METHOD_NGRAM,  # ngram: suffix's old name
+                 "none": pb.DRAFT_METHOD_NONE}
 FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP_TOKEN: "stop_token",
                   pb.FINISH_REASON_STOP_STRING: "stop_string", pb.FINISH_REASON_CONTEXT: "context"}
 

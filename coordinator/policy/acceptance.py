@@ -7,7 +7,7 @@ A block of K draft tokens, each accepted with probability alpha independently of
 tokens per round: the accepted ones and the target's next (Leviathan et al., arXiv 2211.17192,
 section 3.4). The draft model's alpha is a `Rate`, learnt from the rounds it drafts.
 
-n-gram lookups are not independent from token to token: a lookup either copies a passage (every
+suffix lookups are not independent from token to token: a lookup either copies a passage (every
 token of it matches, and so does the next lookup's) or guesses in free text (none does), so
 acceptance comes in runs. `Runs` values a lookup by position and by whether the last lookup's first
 token was accepted, instead of by one mean rate.
@@ -16,7 +16,7 @@ token was accepted, instead of by one mean rate.
 from __future__ import annotations
 
 OPTIMISTIC_ALPHA = 0.7  # the draft model's prior acceptance, and what a retry of it hopes for
-LOOKUP_TOKENS = 10  # the longest n-gram lookup the policy values (and proposes)
+LOOKUP_TOKENS = 10  # the longest suffix lookup the policy values (and proposes)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -42,7 +42,7 @@ class Rate:
 
 
 class Runs:
-    """n-gram acceptance by position in the lookup, and by whether the session's last lookup had its
+    """Suffix-lookup acceptance by position in the lookup, and by whether the session's last lookup had its
     first token accepted.
 
     rates[hit][j]: the probability that token j + 1 of a lookup matches given that tokens 1..j did,

@@ -4,19 +4,19 @@ section 3.4, with the costs of `costs.py` at the current load n):
 
     none     (s + 1) V_solo(n) + o_v, serving s + 1 tokens: s plain decoding steps follow the verdict
              in the same call (multi-step decoding, the coordinator's --decode-steps)
-    n-gram   V_solo(n + K) + o_v, serving n - 1 + E tokens: this session's block joins a pass of n
+    suffix   V_solo(n + K) + o_v, serving n - 1 + E tokens: this session's block joins a pass of n
     model    V(n (K + 1)) + o_v + D(n) K + o_d
              with overlap, when the bet wins (probability alpha^(K+1)): the larger of the two parts,
              and V_shared (the next block drafts during the pass), else V_solo; a switch to the
              model from another method has no bet to find
 
-E is the expected tokens of `acceptance.py`: E(alpha, K) for the model, the runs for n-gram. The
+E is the expected tokens of `acceptance.py`: E(alpha, K) for the model, the runs for suffix decoding. The
 model draft is weighed as if every session at this load drafted alike: the draft worker is shared,
 and one session's drafting slows everyone. K = 0 needs no acceptance: its cost is V_solo, which every
 plain pass measures (a call of several passes reports their mean).
 
 Acceptance is per session and per method, starting from what this coordinator's sessions have seen
-lately. n-gram's is scored on every round for free: its lookup for the committed tokens is compared
+lately. Suffix decoding's is scored on every round for free: its lookup for the committed tokens is compared
 with what the target commits. The model draft's is learnt when it drafts; while something else wins,
 it is retried for one round every PROBE_EVERY, and only if an optimistic acceptance would make it the
 best choice at the current costs.
@@ -30,14 +30,15 @@ choices must not depend on timing or on other sessions.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from coordinator.ngram import NgramProposer
 from coordinator.policy.acceptance import LOOKUP_TOKENS, OPTIMISTIC_ALPHA, Rate, expected_tokens
 from coordinator.policy.costs import Costs, PriorCosts
 from coordinator.policy.gate import ALL
 from coordinator.request import DraftMethod
+from coordinator.suffix import SuffixProposer
 
 if TYPE_CHECKING:
     from coordinator.loop import Round
@@ -45,9 +46,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MODEL_KS = range(1, 9)
-NGRAM_KS = range(1, LOOKUP_TOKENS + 1)
+SUFFIX_KS = range(1, LOOKUP_TOKENS + 1)
 PROBE_EVERY = 16
 SWITCH_MARGIN = 0.03  # keep the current method unless another is this much better (a switch drops a bet)
+
+
+Lookup = Callable[[list[int], int], list[int]]  # (committed ids, at most n) -> a suffix proposal
 
 
 @dataclass(frozen=True)
@@ -67,12 +71,12 @@ class SpeculationPolicy:
     """One session's choices. `methods`: what it may draft with (K = 0 is always a candidate)."""
 
     def __init__(self, costs: Costs | PriorCosts, methods: frozenset[DraftMethod], overlap: bool,
-                 max_k: int | None = None, ngram: NgramProposer | None = None, decode_steps: int = 0):
+                 max_k: int | None = None, lookup: Lookup | None = None, decode_steps: int = 0):
         self.costs, self.methods, self.overlap, self.max_k = costs, methods, overlap, max_k
         self.decode_steps = decode_steps  # plain steps a round without a draft takes after its verdict
-        self.ngram = ngram or NgramProposer()  # whose lookup n-gram rounds would propose
+        self.lookup = lookup or SuffixProposer().continuation  # what a suffix round would propose
         self.alpha = Rate(costs.prior_acceptance())  # the draft model's acceptance
-        self.runs = costs.prior_runs()  # n-gram's
+        self.runs = costs.prior_runs()  # suffix decoding's
         self._hit = False  # the last lookup's first token was accepted
         self._lookup: list[int] = []
         self._since_model = 0
@@ -84,12 +88,11 @@ class SpeculationPolicy:
         model cannot serve the round (`model_ready` false: while it prefills the session's context,
         its warm-up when the policy first turns to it), a round it wins goes to the best of the other
         methods instead (a stand-in), and the model keeps its turn: the round would otherwise be plain
-        decoding, one token a pass, for as long as the draft prefills, where n-gram copying from the
+        decoding, one token a pass, for as long as the draft prefills, where suffix copying from the
         prompt serves more."""
         steps = min(self.decode_steps, max(0, max_k))  # what the coordinator asks a plain round for
         max_k = max_k if self.max_k is None else min(max_k, self.max_k)
-        self._lookup = (self.ngram.continuation(committed_ids, LOOKUP_TOKENS)
-                        if DraftMethod.NGRAM in self.methods else [])
+        self._lookup = self.lookup(committed_ids, LOOKUP_TOKENS) if DraftMethod.SUFFIX in self.methods else []
         plain = self.costs.verify_ms(self.costs.load, solo=True, passes=steps + 1)
         options = [Choice(DraftMethod.NONE, 0, (steps + 1) / plain)]
         if max_k <= 0:
@@ -139,8 +142,8 @@ class SpeculationPolicy:
     def _drafting(self, allowed: frozenset[DraftMethod], max_k: int) -> list[Choice]:
         """Every allowed method's candidates, K by K."""
         options = []
-        if self._lookup and DraftMethod.NGRAM in allowed:
-            options += [self._ngram(k, max_k) for k in NGRAM_KS if k <= min(max_k, len(self._lookup))]
+        if self._lookup and DraftMethod.SUFFIX in allowed:
+            options += [self._suffix(k, max_k) for k in SUFFIX_KS if k <= min(max_k, len(self._lookup))]
         if DraftMethod.MODEL in allowed:
             alpha = self.alpha.value
             options += [self._model(k, alpha) for k in MODEL_KS if k <= max_k]
@@ -163,7 +166,7 @@ class SpeculationPolicy:
         hope = max((self._model(k, OPTIMISTIC_ALPHA) for k in MODEL_KS if k <= max_k), key=lambda c: c.gain)
         return hope if hope.gain > best.gain else best
 
-    def _ngram(self, k: int, max_k: int) -> Choice:
+    def _suffix(self, k: int, max_k: int) -> Choice:
         """This session's K tokens join a pass of n sessions, and its plain decoding steps follow as
         after a plain round: what the call serves per session, the (n - 1) others' tokens (one per
         pass) plus this one's, over the passes all of them wait for, the first longer by K tokens (the
@@ -172,7 +175,7 @@ class SpeculationPolicy:
         tokens = n * (steps + 1) + self.runs.expected(self._hit, k)
         first = self.costs.verify_ms(n + k, solo=True)  # one call: its overhead once
         ms = first + self.costs.verify_ms(n, solo=True, passes=steps) - self.costs.verify_overhead_ms
-        return Choice(DraftMethod.NGRAM, k, tokens / (n * ms))
+        return Choice(DraftMethod.SUFFIX, k, tokens / (n * ms))
 
     def _model(self, k: int, alpha: float) -> Choice:
         """With overlap, a round after a model round finds its block drafted during the last pass when
@@ -189,7 +192,7 @@ class SpeculationPolicy:
 
     def _log(self, best: Choice, plain: Choice) -> None:
         n = self.costs.load
-        log.debug("policy: %s K=%d at n=%.1f: %.4f tok/ms (none %.4f); alpha model %.2f; n-gram %.2f of %d; "
+        log.debug("policy: %s K=%d at n=%.1f: %.4f tok/ms (none %.4f); alpha model %.2f; suffix %.2f of %d; "
                   "V solo %.1f shared %.1f ms, D %.1f ms/token", best.method.value, best.k, n, best.gain,
                   plain.gain, self.alpha.value, self.runs.expected(self._hit, LOOKUP_TOKENS), LOOKUP_TOKENS,
                   self.costs.verify_ms(n, solo=True), self.costs.verify_ms(n * (best.k + 1), solo=False),

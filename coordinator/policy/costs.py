@@ -89,6 +89,17 @@ class Prior:
     draft_growth: float = 1.0  # per token with s sessions: draft_ms_per_token * s^draft_growth (CPU: linear)
     verify_overhead_ms: float = 3.0
     draft_overhead_ms: float = 2.0
+    # A draft token's cost against a one-token target pass, from the two models' sizes; where known it
+    # replaces draft_ms_per_token: until the draft is measured, its token costs this share of what the
+    # target's pass costs (measured or not), so a draft as large as its target is never expected to pay.
+    draft_cost_ratio: float | None = None
+
+    @classmethod
+    def for_models(cls, target_parameters: int, draft_parameters: int) -> Prior:
+        """The prior for a draft and a target of these sizes (0: unknown, the default prior)."""
+        if target_parameters <= 0 or draft_parameters <= 0:
+            return cls()
+        return cls(draft_cost_ratio=draft_parameters / target_parameters)
 
 
 class Costs:
@@ -116,7 +127,7 @@ class Costs:
         with self._lock:
             if v is not None and 0 < v.batch_tokens and v.batch_prefill_tokens <= PREFILL_PER_SESSION * v.batch_size:
                 # a pass's mean cost at its mean tokens (the line is linear, so the mean of the costs is
-                # the cost of the mean): the verdict's pass alone would charge an n-gram block's
+                # the cost of the mean): the verdict's pass alone would charge a suffix block's
                 # tokens to the plain decoding steps after it, and underrate what a token costs
                 tokens = v.pass_tokens / v.passes if v.pass_tokens else v.batch_tokens
                 self._line(v.threads).observe(tokens, v.compute_ms / v.passes)
@@ -176,7 +187,10 @@ class Costs:
 
     def draft_ms(self, k: int, sessions: float) -> float:
         with self._lock:
-            return k * self._draft(sessions) + self.draft_overhead_ms
+            if self._draft.count or self.prior.draft_cost_ratio is None:
+                return k * self._draft(sessions) + self.draft_overhead_ms
+        per_token = self.prior.draft_cost_ratio * (self.verify_ms(1, solo=True) - self.verify_overhead_ms)
+        return k * per_token * sessions ** self.prior.draft_growth + self.draft_overhead_ms
 
 
 @dataclass(frozen=True)
@@ -219,9 +233,12 @@ class PriorCosts:
         return passes * (p.verify_ms + max(0.0, p.verify_ms_per_token) * tokens) + p.verify_overhead_ms
 
     def draft_ms(self, k: int, sessions: float) -> float:
-        """The prior power law, as `PowerLaw` evaluates it before any observation."""
+        """The prior power law, as `Costs` evaluates it before any observation."""
         p = self.prior
-        return k * (p.draft_ms_per_token * sessions ** p.draft_growth) + p.draft_overhead_ms
+        per_token = p.draft_ms_per_token
+        if p.draft_cost_ratio is not None:
+            per_token = p.draft_cost_ratio * (p.verify_ms + p.verify_ms_per_token)
+        return k * (per_token * sessions ** p.draft_growth) + p.draft_overhead_ms
 
 
-FIXED = PriorCosts()  # for sampled requests: the same every time
+FIXED = PriorCosts()  # for sampled requests: the same every time (Generation's own, from the models' sizes)

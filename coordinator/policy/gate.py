@@ -2,7 +2,7 @@
 millisecond of its rounds with each, not by the cost model: an online A/B test per load level.
 
 A mode is the set of draft methods a gate allows (plain decoding, K = 0, is always allowed). Its
-name in logs joins the methods' values: "plain", "ngram", "model+ngram".
+name in logs joins the methods' values: "plain", "suffix", "model+suffix".
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ log = logging.getLogger(__name__)
 Mode = frozenset[DraftMethod]
 
 PLAIN: Mode = frozenset()
-NGRAM_ONLY: Mode = frozenset({DraftMethod.NGRAM})
-ALL: Mode = frozenset({DraftMethod.NGRAM, DraftMethod.MODEL})
-MODES = (PLAIN, NGRAM_ONLY, ALL)  # what a gate may allow, plainest first
-# What the coordinator's gate chooses between: n-gram is always allowed, its rounds chosen by the cost
+SUFFIX_ONLY: Mode = frozenset({DraftMethod.SUFFIX})
+ALL: Mode = frozenset({DraftMethod.SUFFIX, DraftMethod.MODEL})
+MODES = (PLAIN, SUFFIX_ONLY, ALL)  # what a gate may allow, plainest first
+# What the coordinator's gate chooses between: suffix decoding is always allowed, its rounds chosen by the cost
 # model, which values its runs (Runs); the gate decides whether the draft model may be used as well.
-GATED = (NGRAM_ONLY, ALL)
+GATED = (SUFFIX_ONLY, ALL)
 
 
 def mode_name(mode: Mode) -> str:
@@ -35,13 +35,13 @@ def mode_name(mode: Mode) -> str:
 class MethodGate:
     """Alone, a round costs what its parts add up to, and the cost model predicts it. Under load it
     does not: sessions fall out of step and wait in each other's batches, draft and target share the
-    cores with the coordinator, and a session's n-gram block cuts short the others' multi-step calls.
+    cores with the coordinator, and a session's suffix block cuts short the others' multi-step calls.
     So at each load level (requests running here: 2, 3-4, 5-8, 9-16, ...) the gate measures a
     session's tokens per ms of its rounds in tests of each of its modes (for the coordinator, GATED;
     any sequence of modes, plainest first, e.g. MODES) and keeps the best.
 
-    - A cycle of tests runs each mode twice, in mirrored order (plain, n-gram, model, model,
-      n-gram, plain), and judges each by its two tests together: a level's traffic changes within
+    - A cycle of tests runs each mode twice, in mirrored order (plain, suffix, model, model,
+      suffix, plain), and judges each by its two tests together: a level's traffic changes within
       seconds (contexts grow, requests end), and a mode tested later than another would otherwise
       win or lose by when it was tested.
     - A test lasts EPOCH_S and MIN_ROUNDS rounds that began in it after SETTLE_S (bets in flight and

@@ -66,7 +66,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "backend", "vocab_size", "max_context", "dtype", "device", "tensor_parallel_size")
+    __slots__ = ("name", "backend", "vocab_size", "max_context", "dtype", "device", "tensor_parallel_size", "num_parameters")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     backend: str
     vocab_size: int
@@ -81,4 +82,5 @@ class ModelInfo(_message.Message):
     dtype: str
     device: str
     tensor_parallel_size: int
-    def __init__(self, name: _Optional[str] = ..., backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    num_parameters: int
+    def __init__(self, name: _Optional[str] = ..., backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., num_parameters: _Optional[int] = ...) -> None: ...

@@ -76,7 +76,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from specdec_core.engine import cpu_kernels
-from specdec_core.engine.cpu_linear import linear_kernel
+from specdec_core.engine.cpu_linear import linear_kernel, num_parameters
 from specdec_core.engine.kvcache import logits_per_item, prefix_hash
 from specdec_core.engine.lean_pass import LeanPass
 from specdec_core.errors import ResourceExhausted
@@ -225,6 +225,7 @@ class BatchedBackend:
         self.torch_dtype = param.dtype
         self.dtype = str(param.dtype).removeprefix("torch.")
         self.vocab_size = int(config.vocab_size)
+        self.num_parameters = num_parameters(model)
         self.max_context = int(getattr(config, "max_position_embeddings", 0) or 0)
         self.block_size = int(block_size)
         self.num_blocks = -(-int(max_tokens) // self.block_size)

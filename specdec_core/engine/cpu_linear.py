@@ -198,3 +198,9 @@ def _slice_forward(fused: Fused, start: int, end: int):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused(x)[..., start:end]
     return forward
+
+
+def num_parameters(model: torch.nn.Module) -> int:
+    """The model's parameters, counting a packed linear's weight (its parameter is left empty)."""
+    packed = sum(m.in_features * m.out_features for m in model.modules() if hasattr(m, "specdec_packed_weight"))
+    return sum(p.numel() for p in model.parameters()) + packed

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from specdec_core.engine.cpu_linear import num_parameters
 from specdec_core.engine.kvcache import logits_per_item
 
 
@@ -19,6 +20,7 @@ class HFBackend:
         self.model = model
         self.device = next(model.parameters()).device
         self.vocab_size = int(model.config.vocab_size)
+        self.num_parameters = num_parameters(model)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
         self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
 

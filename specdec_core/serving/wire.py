@@ -58,4 +58,5 @@ def model_info_to_proto(backend, name: str, tensor_parallel_size: int = 1) -> co
         dtype=backend.dtype,
         device=str(backend.device),
         tensor_parallel_size=tensor_parallel_size,
+        num_parameters=backend.num_parameters,
     )

@@ -4,14 +4,18 @@ finished requests, the scoring rule, the index's bounds, tenant isolation, threa
 from __future__ import annotations
 
 import random
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
-from coordinator.ngram import NgramProposer
 from coordinator.request import RequestContext
 from coordinator.suffix import SuffixIndex, SuffixProposer
 from specdec_core.engine.sampling import SamplingConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from suffix_lookup import ngram_continuation  # noqa: E402  the n-gram rule suffix decoding replaced
 
 GREEDY = RequestContext("s", SamplingConfig(), tenant="a")
 SAMPLED = RequestContext("s", SamplingConfig(temperature=1.0), tenant="a")
@@ -223,7 +227,7 @@ def test_one_hot_distributions_when_sampling():
 def test_own_tokens_alone_propose_at_least_what_ngram_proposes(ids: list[int], k: int):
     """On the session's own tokens, no index: n-gram lookup's proposal is a prefix of ours (where
     the match is short, ours is no longer than alpha * m: still a prefix of n-gram's)."""
-    ngram = NgramProposer().continuation(ids, k)
+    ngram = ngram_continuation(ids, k)
     ours = proposer().continuation(ids, k)
     assert ngram and ours[:len(ngram)] == ngram
 

@@ -198,7 +198,7 @@ def test_a_retry_that_read_the_record_before_its_request_finished_only_replays_i
     from coordinator.__main__ import worker_pools
     from coordinator.config import CoordinatorConfig
     from coordinator.generation import Generation
-    from coordinator.ngram import NgramProposer
+    from coordinator.suffix import SuffixProposer
     from coordinator.request import GenerationRequest, Limits
     from specdec_core.serving.redis_client import connect_redis
     from coordinator.sessions import SessionStore
@@ -212,7 +212,7 @@ def test_a_retry_that_read_the_record_before_its_request_finished_only_replays_i
     info = target.model_info(60)
     store = SessionStore(connect_redis(stack.redis_url))
     codec = TextCodec(load_tokenizer(stack.target_model, ENGINE.cache_dir), "tiny")
-    generation = Generation(store, codec, draft, NgramProposer(), target, Limits(info.vocab_size, info.max_context, 64, K))
+    generation = Generation(store, codec, draft, SuffixProposer(), target, Limits(info.vocab_size, info.max_context, 64, K))
     request = GenerationRequest(token_ids=PROMPT, max_new_tokens=N, num_speculative_tokens=K,
                                 request_id="finished-meanwhile")
     first = [t for chunk in generation.run(request) for t in chunk.token_ids]

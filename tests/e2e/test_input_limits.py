@@ -55,7 +55,7 @@ class Unreadable(list):
 @pytest.fixture(scope="module")
 def generation() -> Generation:
     codec = types.SimpleNamespace(name="tiny", has_chat_template=True)  # no encode_*: tokenizing fails
-    return Generation(Untouchable("store"), codec, Untouchable("proposer"), Untouchable("ngram"),
+    return Generation(Untouchable("store"), codec, Untouchable("proposer"), Untouchable("suffix"),
                       Untouchable("verifier"), Limits(vocab_size=49152, max_context=CONTEXT,
                                                       default_max_new_tokens=8, default_k=4))
 

@@ -225,7 +225,7 @@ def test_default_policy_is_lossless_under_batching(tiny_stack, hf_greedy, overla
     for i, ids in enumerate(POLICY_PROMPTS):
         assert results[i].token_ids == hf_greedy(ids, 32), i
         stats = results[i].stats
-        assert stats["model_rounds"] + stats["ngram_rounds"] <= stats["rounds"]
+        assert stats["model_rounds"] + stats["suffix_rounds"] <= stats["rounds"]
 
 
 @pytest.mark.lossless
@@ -240,7 +240,7 @@ def test_switching_method_and_k_mid_request_is_lossless(tiny_stack, hf_greedy, m
     from coordinator.config import CoordinatorConfig
     from coordinator.generation import Generation
     from coordinator.loop import Speculator
-    from coordinator.ngram import NgramProposer
+    from coordinator.suffix import SuffixProposer
     from coordinator.request import GenerationRequest, Limits
     from coordinator.policy import Choice, SpeculationPolicy
     from coordinator.request import DraftMethod
@@ -250,15 +250,15 @@ def test_switching_method_and_k_mid_request_is_lossless(tiny_stack, hf_greedy, m
     from specdec_core.serving.redis_client import connect_redis
     from tiny_models import ENGINE
 
-    script = [Choice(DraftMethod.MODEL, 3), Choice(DraftMethod.NGRAM, 4), Choice(DraftMethod.NONE, 0),
-              Choice(DraftMethod.MODEL, 1), Choice(DraftMethod.MODEL, 6), Choice(DraftMethod.NGRAM, 2),
+    script = [Choice(DraftMethod.MODEL, 3), Choice(DraftMethod.SUFFIX, 4), Choice(DraftMethod.NONE, 0),
+              Choice(DraftMethod.MODEL, 1), Choice(DraftMethod.MODEL, 6), Choice(DraftMethod.SUFFIX, 2),
               Choice(DraftMethod.MODEL, 2)]
 
     def scripted(self, ids: list[int], max_k: int, model_ready: bool = True) -> Choice:
         self.calls = getattr(self, "calls", 0) + 1  # the first round drafts by n-gram
         choice = script[self.calls % len(script)]
         if choice.method == DraftMethod.MODEL and not model_ready:  # the draft warms up: n-gram stands in,
-            return Choice(DraftMethod.NGRAM, min(4, max_k), stand_in=True)  # as the policy does
+            return Choice(DraftMethod.SUFFIX, min(4, max_k), stand_in=True)  # as the policy does
         return Choice(choice.method, min(choice.k, max_k))
 
     def settled(self) -> bool:  # a warm-up ends before the next choice, however busy the machine: a
@@ -276,7 +276,7 @@ def test_switching_method_and_k_mid_request_is_lossless(tiny_stack, hf_greedy, m
     info = target.model_info(60)
     generation = Generation(SessionStore(connect_redis(tiny_stack.redis_url)),
                             TextCodec(load_tokenizer(tiny_stack.target_model, ENGINE.cache_dir), "tiny"), draft,
-                            NgramProposer(), target,
+                            SuffixProposer(), target,
                             Limits(info.vocab_size, info.max_context, 64, 5, overlap=True))
     start = threading.Barrier(len(POLICY_PROMPTS))
 
@@ -289,8 +289,8 @@ def test_switching_method_and_k_mid_request_is_lossless(tiny_stack, hf_greedy, m
         results = list(pool.map(run, POLICY_PROMPTS))
     for ids, (tokens, stats) in zip(POLICY_PROMPTS, results):
         assert tokens == hf_greedy(ids, 40)
-        assert stats.model_rounds > 0 and stats.model_rounds + stats.ngram_rounds < stats.rounds  # switched
-    assert sum(stats.ngram_rounds for _, stats in results) > 0  # the repeating prompts' lookups matched
+        assert stats.model_rounds > 0 and stats.model_rounds + stats.suffix_rounds < stats.rounds  # switched
+    assert sum(stats.suffix_rounds for _, stats in results) > 0  # the repeating prompts' lookups matched
 
 
 @pytest.mark.lossless
@@ -333,7 +333,7 @@ def test_a_generate_request_passes_each_coordinator_file_in_one_stretch(tiny_sta
     from coordinator.__main__ import worker_pools
     from coordinator.config import CoordinatorConfig
     from coordinator.generation import Generation
-    from coordinator.ngram import NgramProposer
+    from coordinator.suffix import SuffixProposer
     from coordinator.request import Limits
     from coordinator.servicer import GenerationServicer
     from coordinator.sessions import SessionStore
@@ -364,7 +364,7 @@ def test_a_generate_request_passes_each_coordinator_file_in_one_stretch(tiny_sta
     info = target.model_info(60)
     generation = Generation(SessionStore(connect_redis(tiny_stack.redis_url)),
                             TextCodec(load_tokenizer(tiny_stack.target_model, ENGINE.cache_dir), "tiny"), draft,
-                            NgramProposer(), target,
+                            SuffixProposer(), target,
                             Limits(info.vocab_size, info.max_context, 64, 4))
     server = grpc.server(ThreadPoolExecutor(4))
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(generation, pb.DescribeModelsResponse()),
