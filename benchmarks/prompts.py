@@ -199,6 +199,7 @@ GROUNDED = [
 ]
 
 GROUNDED_SET = "grounded"
+CORE_SETS = ("chat", "code", GROUNDED_SET)  # the sets the pooled summary keys are over (repetitive has keys of its own)
 
 
 def messages(prompt: str) -> list[dict]:

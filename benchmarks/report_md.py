@@ -4,7 +4,8 @@ from __future__ import annotations
 
 SERVICES = {"draft": "d", "target": "t", "coordinator": "c", "redis": "r", "benchmark_process": "bench"}
 SUMMARY_FORMAT = {"overhead_ms_per_round": "{:.1f} ms", "target_peak_rss_c8_mb": "{:.0f} MB",
-                  "target_rss_bound_c8_mb": "{:.0f} MB", "c8_chat_roofline_fraction": "{:.2f}"}
+                  "target_rss_bound_c8_mb": "{:.0f} MB", "c8_chat_roofline_fraction": "{:.2f}",
+                  "suffix_lookup_ms_p99": "{:.2f} ms"}
 QUICK = ["**--quick run: a harness check (2 prompts per set, 32 new tokens), not a measurement.**", ""]
 COLUMNS = ("configuration", "c", "tok/s aggregate", "tok/s per request", "vs target_k0", "TTFT p50 / p99 ms",
            "ITL p50 / p99 ms", "acceptance", "tokens per pass: measured / Leviathan",
@@ -43,7 +44,8 @@ def markdown(result: dict) -> str:
         groups.setdefault((r["layout"], r["prompt_set"]), []).append(r)
     for (layout, prompt_set), rows in groups.items():
         n = max(len({q["prompt_index"] for q in r["requests"]}) for r in rows)
-        where = {"pinned": " (pinned layout)", "mixed": " (mixed load)"}.get(layout, "")
+        where = {"pinned": " (pinned layout)", "mixed": " (mixed load)",
+                 "fresh_stack": " (fresh stacks: their first requests)"}.get(layout, "")
         lines += ["", f"## {prompt_set} prompts{where}, {n} per pass", ""]
         lines += table(sorted(rows, key=lambda r: r["concurrency"]))
     lines += ["", "## Notes", ""] + [f"- {note}" for note in meta["notes"]]

@@ -23,6 +23,7 @@ from array import array
 import redis
 
 from coordinator.suffix import SuffixIndex
+from specdec_core import metrics
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +55,18 @@ class SuffixShare:
             except queue.Full:
                 try:
                     self._pending.get_nowait()  # the oldest goes: the index keeps the newest anyway
+                    metrics.SUFFIX_SHARED.labels("dropped").inc()
                 except queue.Empty:
                     pass
 
     def start(self) -> SuffixShare:
+        """Read what the other replicas have published so far (the warm-up: before this replica
+        serves, so its first requests find it), then keep exchanging in a thread."""
+        try:
+            while self.sync(block_ms=0):
+                pass
+        except redis.RedisError as exc:
+            log.warning("suffix index sharing: no warm-up, Redis unavailable (%s)", exc)
         self._thread = threading.Thread(target=self._run, daemon=True, name="suffix-share")
         self._thread.start()
         return self
@@ -89,13 +98,15 @@ class SuffixShare:
             return 0
         streams = {stream_key(t): last for t, last in self._read_from.items()}
         indexed = 0
-        for key, entries in self.redis.xread(streams, count=256, block=block_ms) or []:
+        for key, entries in self.redis.xread(streams, count=256, block=block_ms or None) or []:
             tenant = key.decode().removeprefix("specdec:suffix:")
             for entry_id, fields in entries:
                 self._read_from[tenant] = entry_id
                 if fields.get(b"from") != self.replica:
                     self.index.add(tenant, array("I", fields[b"ids"]).tolist())
                     indexed += 1
+        metrics.SUFFIX_SHARED.labels("received").inc(indexed)
+        metrics.SUFFIX_INDEX_TOKENS.set(self.index.num_tokens())
         return indexed
 
     def _send(self) -> None:
@@ -110,6 +121,7 @@ class SuffixShare:
                           maxlen=self.index.max_sequences, approximate=True)
                 pipe.sadd(TENANTS_KEY, tenant)
                 pipe.execute()
+                metrics.SUFFIX_SHARED.labels("sent").inc()
             except redis.RedisError:
                 self.publish(tenant, ids)  # again when Redis is back
                 raise

@@ -52,6 +52,7 @@ def build_input(
     decode_steps: int | None = None,
     session_id: str = "",
     request_id: str = "",
+    end_session: bool = False,
     min_p: float = 0.0,
     presence_penalty: float = 0.0,
     frequency_penalty: float = 0.0,
@@ -61,9 +62,10 @@ def build_input(
 ) -> pb.GenerationInput:
     """prompt: text (sent raw, or as one user message with chat=True), chat messages
     ([{"role": ..., "content": ...}]), or token ids. request_id: makes retries idempotent.
+    end_session: end the session once the request has finished (a one-shot request leaves nothing).
     logprobs: report each token's log-probability and this many alternatives."""
     msg = pb.GenerationInput(session_id=session_id, stop=list(stop), stop_token_ids=list(stop_token_ids),
-                             request_id=request_id)
+                             request_id=request_id, end_session=end_session)
     if isinstance(prompt, str):
         if chat:
             msg.messages.messages.add(role="user", content=prompt)

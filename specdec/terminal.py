@@ -10,24 +10,28 @@ from specdec.v1 import generation_pb2 as pb
 
 
 def stream_to_terminal(client: Client, prompt, quiet: bool = False, **kwargs) -> dict:
-    """Stream a generation to stdout; return its stats, its token_ids and client-side timings."""
+    """Stream a generation to stdout; return its stats, its token_ids and client-side timings
+    (decode_tokens_per_s: the tokens after the first chunk over the time after it, prefill excluded)."""
     started = time.perf_counter()
-    first = None
+    first = None  # when the first tokens arrived
+    first_chunk_tokens = 0
     last = None
     token_ids: list[int] = []
     for chunk in client.stream(prompt, **kwargs):
         if first is None and chunk.token_ids:
-            first = time.perf_counter()
+            first, first_chunk_tokens = time.perf_counter(), len(chunk.token_ids)
         token_ids.extend(chunk.token_ids)
         print(chunk.text, end="", flush=True)
         last = chunk
     wall = time.perf_counter() - started
+    ttft = (first or started) - started
     print()
     stats = stats_dict(last.stats)
     stats.update(session_id=last.session_id, completion_tokens=last.usage.completion_tokens,
                  finish_reason=pb.FinishReason.Name(last.finish_reason), client_wall_s=wall,
-                 ttft_ms=((first or started) - started) * 1e3, token_ids=token_ids,
-                 tokens_per_s=last.usage.completion_tokens / wall if wall > 0 else 0.0)
+                 ttft_ms=ttft * 1e3, token_ids=token_ids,
+                 tokens_per_s=last.usage.completion_tokens / wall if wall > 0 else 0.0,
+                 decode_tokens_per_s=(len(token_ids) - first_chunk_tokens) / (wall - ttft) if wall > ttft else 0.0)
     if not quiet:
         print(format_stats(stats), file=sys.stderr)
     return stats

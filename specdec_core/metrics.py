@@ -36,6 +36,10 @@ STORE_ERRORS = Counter("specdec_session_store_errors_total",
                        "session store (Redis) calls that failed: unavailable, full (maxmemory), replicas (WAIT "
                        "short), tenant_cap", ["reason"])
 CACHE_EVICTIONS = Counter("specdec_cache_evictions_total", "sessions evicted from worker KV caches", ["role"])
+SUFFIX_SHARED = Counter("specdec_suffix_shared_total", "finished requests the suffix index exchanged with the "
+                        "other coordinator replicas through Redis: sent, received, dropped (queue full)",
+                        ["direction"])
+SUFFIX_INDEX_TOKENS = Gauge("specdec_suffix_index_tokens", "tokens held in the coordinator's suffix index")
 
 
 def start_metrics_server(port: int, host: str = "0.0.0.0") -> None:

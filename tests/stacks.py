@@ -83,3 +83,46 @@ def assert_no_cache_left(stack, session_ids: list[str]) -> None:
             for session_id in session_ids:
                 assert not stub.ReleaseDraftCache(draft_pb2.ReleaseDraftCacheRequest(session_id=session_id)).released
 
+
+def exact_two_token_distribution(model, prompt_ids: list[int], cfg) -> dict[tuple[int, int], float]:
+    """P(t1, t2) of the target alone after prompt_ids and `cfg`'s processing (t2's row penalised for t1)."""
+    import torch
+
+    from specdec_core.engine.sampling import process_logits
+
+    start = len(prompt_ids)
+    with torch.inference_mode():
+        first = model(torch.tensor([prompt_ids])).logits[0, -1:]
+        p1 = process_logits(first, cfg, prompt_ids)[0]
+        out = {}
+        for t1 in (p1 > 0).nonzero().flatten().tolist():
+            second = model(torch.tensor([prompt_ids + [t1]])).logits[0, -1:]
+            p2 = process_logits(second, cfg, prompt_ids + [t1])[0]
+            for t2 in (p2 > 0).nonzero().flatten().tolist():
+                out[(t1, t2)] = float(p1[t1] * p2[t2])
+    assert start == cfg.output_start
+    return out
+
+
+def chi_square_p_value(counts: dict, expected: dict, total: int) -> float:
+    """Pearson's test; cells expected fewer than 5 times are pooled (and anything never expected
+    counts against the fit)."""
+    stat, cells, pooled_obs, pooled_exp = 0.0, 0, 0, 0.0
+    for cell, p in expected.items():
+        e = p * total
+        if e < 5:
+            pooled_obs, pooled_exp = pooled_obs + counts.get(cell, 0), pooled_exp + e
+            continue
+        stat += (counts.get(cell, 0) - e) ** 2 / e
+        cells += 1
+    unexpected = sum(n for cell, n in counts.items() if cell not in expected)
+    if unexpected:
+        return 0.0
+    if pooled_exp:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        cells += 1
+    df = cells - 1
+    import torch
+
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))

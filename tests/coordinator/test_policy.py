@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.loop import Draft, Round, Verdict
-from coordinator.policy import FIXED, Choice, Costs, MethodGate, SpeculationPolicy, expected_tokens
+from coordinator.policy import FIXED, Choice, Costs, MethodGate, Prior, SpeculationPolicy, expected_tokens
 from coordinator.policy.chooser import PROBE_EVERY
 from coordinator.policy.costs import Line
 from coordinator.policy.gate import ALL, SUFFIX_ONLY, PLAIN, Measure
@@ -429,3 +429,25 @@ def test_a_calls_passes_are_learnt_at_their_mean_tokens():
     overhead = costs.verify_overhead_ms
     assert costs.verify_ms(8, solo=True) - overhead == pytest.approx(26.0, rel=0.05)
     assert costs.verify_ms(18, solo=True) - overhead == pytest.approx(46.0, rel=0.05)
+
+
+def test_before_the_draft_is_measured_its_size_decides_whether_the_model_may_pay():
+    """On a fresh stack (the target's passes measured, the draft's tokens not yet): a draft as large
+    as its target (the embedded pair: the same model) is never chosen, not even as a probe, so a
+    user's first requests never pay for it; a draft a tenth of its target's size is chosen, and its
+    cost, once measured, replaces the size's guess."""
+    same = Costs(Prior.for_models(135_000_000, 135_000_000))
+    small = Costs(Prior.for_models(7_000_000_000, 500_000_000))
+    for costs in (same, small):
+        for _ in range(30):
+            costs.observe(a_round([1], verify_ms=10.0))  # plain passes: 10 ms
+    for costs, chosen in ((same, False), (small, True)):
+        policy = SpeculationPolicy(costs, BOTH, overlap=False)
+        choices = [policy.choose([40 + i for i in range(20)], max_k=100) for _ in range(3 * PROBE_EVERY)]
+        assert any(c.method == DraftMethod.MODEL for c in choices) == chosen
+    assert same.draft_ms(1, 1) - same.draft_overhead_ms == pytest.approx(same.verify_ms(1, solo=True)
+                                                                          - same.verify_overhead_ms)
+    feed(small, batch=1, verify={1: (10.0, 1.5)}, draft_ms_per_token=30.0)  # measured: slow after all
+    policy = SpeculationPolicy(small, BOTH, overlap=False)
+    assert policy.choose([40 + i for i in range(20)], max_k=100).method != DraftMethod.MODEL
+    assert Costs().draft_ms(1, 1) == Costs(Prior.for_models(0, 500)).draft_ms(1, 1)  # sizes unknown: the old prior

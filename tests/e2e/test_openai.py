@@ -19,7 +19,6 @@ import urllib.error
 import urllib.request
 from collections import Counter
 
-import grpc
 import openai
 import pytest
 import torch
@@ -27,8 +26,8 @@ import torch
 from specdec import Client
 from specdec.client import build_input
 from specdec.v1 import generation_pb2 as pb
-from specdec_core.engine.sampling import SamplingConfig, process_logits
-from stacks import start_stack
+from specdec_core.engine.sampling import SamplingConfig
+from stacks import chi_square_p_value, exact_two_token_distribution, start_stack
 
 pytestmark = [pytest.mark.openai, pytest.mark.e2e]
 
@@ -340,44 +339,6 @@ STAT_SAMPLES = 2400
 STAT_N = 16  # choices per request (seeds seed .. seed + 15)
 
 
-def exact_two_token_distribution(model, cfg: SamplingConfig) -> dict[tuple[int, int], float]:
-    """P(t1, t2) of the target alone after processing (t2's row penalised for t1)."""
-    start = len(STAT_IDS)
-    with torch.inference_mode():
-        first = model(torch.tensor([STAT_IDS])).logits[0, -1:]
-        p1 = process_logits(first, cfg, STAT_IDS)[0]
-        out = {}
-        for t1 in (p1 > 0).nonzero().flatten().tolist():
-            second = model(torch.tensor([STAT_IDS + [t1]])).logits[0, -1:]
-            p2 = process_logits(second, cfg, STAT_IDS + [t1])[0]
-            for t2 in (p2 > 0).nonzero().flatten().tolist():
-                out[(t1, t2)] = float(p1[t1] * p2[t2])
-    assert start == cfg.output_start
-    return out
-
-
-def chi_square_p_value(counts: Counter, expected: dict, total: int) -> float:
-    """Pearson's test; cells expected fewer than 5 times are pooled (and anything never expected
-    counts against the fit)."""
-    stat, cells, pooled_obs, pooled_exp = 0.0, 0, 0, 0.0
-    for cell, p in expected.items():
-        e = p * total
-        if e < 5:
-            pooled_obs, pooled_exp = pooled_obs + counts.get(cell, 0), pooled_exp + e
-            continue
-        stat += (counts.get(cell, 0) - e) ** 2 / e
-        cells += 1
-    unexpected = sum(n for cell, n in counts.items() if cell not in expected)
-    if unexpected:
-        return 0.0
-    if pooled_exp:
-        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
-        cells += 1
-    df = cells - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
-
-
 @pytest.mark.lossless
 def test_sampled_first_two_tokens_follow_the_exact_distribution(stack, model, hf_greedy):
     """STAT_SAMPLES seeded requests through HTTP, gRPC, draft and target (K = 1 drafted, verified,
@@ -399,12 +360,12 @@ def test_sampled_first_two_tokens_follow_the_exact_distribution(stack, model, hf
     assert len(samples) == STAT_SAMPLES and len(set(samples)) > 4
     counts = Counter(samples)
     cfg = SamplingConfig(**STAT_CFG, output_start=len(STAT_IDS))
-    exact = exact_two_token_distribution(hf_greedy.model, cfg)
+    exact = exact_two_token_distribution(hf_greedy.model, STAT_IDS, cfg)
     assert abs(sum(exact.values()) - 1) < 1e-9
     p_value = chi_square_p_value(counts, exact, STAT_SAMPLES)
     print(f"chi-square p = {p_value:.3f} over {len(exact)} cells, {STAT_SAMPLES} samples")
     assert p_value > 1e-3, (p_value, counts.most_common(8), sorted(exact.items(), key=lambda kv: -kv[1])[:8])
-    unpenalised = exact_two_token_distribution(hf_greedy.model, SamplingConfig(
+    unpenalised = exact_two_token_distribution(hf_greedy.model, STAT_IDS, SamplingConfig(
         temperature=STAT_CFG["temperature"], top_k=STAT_CFG["top_k"], output_start=len(STAT_IDS)))
     assert chi_square_p_value(counts, unpenalised, STAT_SAMPLES) < 1e-6
 

@@ -65,8 +65,8 @@ def test_first_difference():
 
 def test_the_slow_warning_appears_only_below_095x(capsys):
     def comparison(spec_tps: float) -> demo.Comparison:
-        run = {"tokens_per_s": spec_tps, "token_ids": ANSWER}
-        return demo.Comparison(run, {"tokens_per_s": 100.0, "token_ids": ANSWER}, greedy=True)
+        run = {"decode_tokens_per_s": spec_tps, "token_ids": ANSWER}
+        return demo.Comparison(run, {"decode_tokens_per_s": 100.0, "token_ids": ANSWER}, greedy=True)
 
     demo.summarize({"chat": comparison(96.0), "extraction": comparison(250.0)})
     out = capsys.readouterr().err
