@@ -121,7 +121,7 @@ def pooled(rows: list[dict], config: str, concurrency: int, sets: list[str]) -> 
     all their tokens over all their wall time."""
     picked = [r for r in rows if (r["layout"], r["config"], r["concurrency"]) == ("main", config, concurrency)
               and r["prompt_set"] in sets]
-    if len(picked) != len(sets):
+    if not sets or len(picked) != len(sets):
         return None
     return sum(r["stats"]["num_tokens"] for r in picked) / sum(r["wall_s"] for r in picked)
 

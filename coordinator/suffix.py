@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 
 from coordinator.loop import Draft
 from coordinator.request import RequestContext
+from specdec_core import metrics
 
 WIDTH = 4  # bytes a token on a tape (array typecode 'I')
 SEP = 0xFFFFFFFF  # between sequences on a tape: never a token, so never matched nor proposed
@@ -255,6 +256,7 @@ class SuffixProposer:
         """Index a finished request (its prompt + output) for the tenant's later requests, here and,
         with `publish`, on every replica."""
         self.index.add(tenant, token_ids)
+        metrics.SUFFIX_INDEX_TOKENS.set(self.index.num_tokens())
         if self.publish is not None:
             self.publish(tenant, token_ids)
 
