@@ -73,7 +73,8 @@ def parser() -> argparse.ArgumentParser:
     u.set_defaults(func=cmd_up)
 
     d = sub.add_parser("demo", help="start the local stack; a chat answer and a repetitive request, with and "
-                       "without speculation", description=DEMO_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       "without speculation", description=DEMO_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     _stack_flags(d)
     d.add_argument("prompt", nargs="?", default=DEMO_PROMPT, help=f"the chat request (default: {DEMO_PROMPT!r})")
     _generation_flags(d, max_new_tokens=128)
@@ -112,8 +113,8 @@ def _generation_flags(p: argparse.ArgumentParser, max_new_tokens: int | None = N
                    help="drafting method; none = plain target decoding; default: the coordinator's policy "
                         "chooses the method and K every round (unless -k is given: the draft model with that K)")
     p.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=None, help="draft tokens per round")
-    p.add_argument("--adaptive", action="store_true", help="with --draft model or suffix: choose per round between it (at most -k "
-                   "tokens) and no draft, from the measured acceptance and costs")
+    p.add_argument("--adaptive", action="store_true", help="with --draft model or suffix: choose per round between "
+                   "it (at most -k tokens) and no draft, from the measured acceptance and costs")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="draft the next block while the target verifies this one (default: the server's)")
     p.add_argument("--min-draft-confidence", type=float, default=0.0,
