@@ -11,8 +11,9 @@ input-grounded, repetitive), concurrency 1, 4 and 8; plus fresh stacks' first re
 Everything runs in one process tree in one run, so every ratio is measured side by side: one stack
 serves all specdec configurations (per-request flags switch K, overlap, draft method, adaptive K);
 the transformers and llama.cpp baselines run in this process between specdec requests (at
-concurrency 1 every prompt goes through every configuration in turn, rotating the order); the stack
-is restarted only for the pinned layout (draft and target on separate cores, one thread each).
+concurrency 1 every prompt goes through every configuration in turn, rotating the order); other
+stacks are started only for the pinned layout (draft and target on separate cores, one thread each)
+and the fresh_stack rows.
 The target uses CUDA (here and in the target service) when torch sees a GPU.
 
 Tenants: the coordinator drafts from its tenant's earlier requests (the suffix index), so every row
@@ -154,16 +155,18 @@ def tenants(plan: Plan) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="check the harness: 2 prompts per set, 32 new tokens, "
-                                                        "concurrency 1,2 (explicit flags still win)")
-    p.add_argument("--prompts", type=int, default=None, help="prompts per set (default: all, at least 8)")
+    p.add_argument("--quick", action="store_true", help="check the harness: 2 prompts per set (and fresh-stack "
+                                                        "requests), 32 new tokens, concurrency 1,2, 1 wave, "
+                                                        "--history 2 (explicit flags still win)")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per set (default: all, at least 8; the repetitive set 24)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 128")
     p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,4,8; 1 always runs)")
     p.add_argument("--only", default="", help="comma-separated configuration / prompt-set names, overlap_pinned, "
                                               "mixed, fresh_stack")
     p.add_argument("--waves", type=int, default=None,
                    help="passes over every configuration at each concurrency (at c1 the main layout's, not "
-                        "vLLM's or the pinned layout's), and over the mixed load, pooled per row (default 3; --quick 1)")
+                        "vLLM's or the pinned layout's), over the mixed load, and pairs of fresh stacks, pooled per row "
+                        "(default 3; --quick 1)")
     p.add_argument("--history", type=int, default=None,
                    help="unmeasured requests of the repetitive set's kinds (inputs of their own) that each "
                         "repetitive row's tenant serves before the row, when the row may draft from the tenant's "
