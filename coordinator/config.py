@@ -119,7 +119,8 @@ def _redis_flags(p: argparse.ArgumentParser, env) -> None:
     p.add_argument("--redis-tls-cert", default=env("SPECDEC_REDIS_TLS_CERT", ""),
                    help="client certificate for a Redis that requires mutual TLS")
     p.add_argument("--redis-tls-key", default=env("SPECDEC_REDIS_TLS_KEY", ""))
-    p.add_argument("--redis-retry", type=float, default=float(env("SPECDEC_REDIS_RETRY", CoordinatorConfig.redis_retry_s)),
+    p.add_argument("--redis-retry", type=float,
+                   default=float(env("SPECDEC_REDIS_RETRY", CoordinatorConfig.redis_retry_s)),
                    help="seconds to keep retrying a lost Redis connection (with Sentinel: long enough for a "
                         "failover) before UNAVAILABLE")
     p.add_argument("--redis-wait-replicas", type=int,
@@ -140,7 +141,8 @@ def _generation_flags(p: argparse.ArgumentParser, env) -> None:
                         "(env SPECDEC_CACHE_DIR; default $XDG_CACHE_HOME/specdec or ~/.cache/specdec)")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=CoordinatorConfig.num_speculative_tokens,
                    help="default K (draft tokens per round)")
-    p.add_argument("--max-new-tokens", type=int, default=CoordinatorConfig.max_new_tokens, help="default max_new_tokens")
+    p.add_argument("--max-new-tokens", type=int, default=CoordinatorConfig.max_new_tokens,
+                   help="default max_new_tokens")
     p.add_argument("--session-ttl", type=int, default=int(env("SPECDEC_SESSION_TTL", CoordinatorConfig.session_ttl_s)),
                    help="seconds an idle session is kept in Redis")
     p.add_argument("--request-ttl", type=int, default=int(env("SPECDEC_REQUEST_TTL", CoordinatorConfig.request_ttl_s)),

@@ -140,7 +140,8 @@ class Generation:
         while True:
             if is_cancelled():
                 raise Cancelled("the client cancelled the request")
-            rnd = drafting.round(session.token_ids, stop.room(generated, len(session.token_ids)), first=not stats.rounds)
+            room = stop.room(generated, len(session.token_ids))
+            rnd = drafting.round(session.token_ids, room, first=not stats.rounds)
             new_ids, text, finish = stop.cut(rnd.new_ids, generated, len(session.token_ids), out)
             generated += len(new_ids)
             stats.add(rnd, len(new_ids))
@@ -184,7 +185,8 @@ class Generation:
                 f"the model's context is {self.limits.max_context}"
             )
         if req.max_new_tokens is not None and req.max_new_tokens > room:
-            raise InvalidArgument("max_new_tokens", f"{req.max_new_tokens} exceeds the {room} tokens left in the context")
+            raise InvalidArgument("max_new_tokens",
+                                  f"{req.max_new_tokens} exceeds the {room} tokens left in the context")
         max_new = req.max_new_tokens or min(self.limits.default_max_new_tokens, room)
         if record is None:
             if req.seed is not None:

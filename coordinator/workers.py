@@ -172,7 +172,8 @@ class DraftClient(WorkerClient):
         self.call(self.stub.ReleaseDraftCache, draft_pb2.ReleaseDraftCacheRequest(session_id=session_id))
 
     def model_info(self, retry_budget_s: float | None = None) -> common_pb2.ModelInfo:
-        return self.call(self.stub.GetDraftModel, draft_pb2.GetDraftModelRequest(), retry_budget_s=retry_budget_s).model
+        return self.call(self.stub.GetDraftModel, draft_pb2.GetDraftModelRequest(),
+                         retry_budget_s=retry_budget_s).model
 
 
 class TargetClient(WorkerClient):
@@ -200,4 +201,5 @@ class TargetClient(WorkerClient):
         self.call(self.stub.ReleaseTargetCache, target_pb2.ReleaseTargetCacheRequest(session_id=session_id))
 
     def model_info(self, retry_budget_s: float | None = None) -> common_pb2.ModelInfo:
-        return self.call(self.stub.GetTargetModel, target_pb2.GetTargetModelRequest(), retry_budget_s=retry_budget_s).model
+        return self.call(self.stub.GetTargetModel, target_pb2.GetTargetModelRequest(),
+                         retry_budget_s=retry_budget_s).model
