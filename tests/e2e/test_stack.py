@@ -228,6 +228,28 @@ def test_default_policy_is_lossless_under_batching(tiny_stack, hf_greedy, overla
         assert stats["model_rounds"] + stats["suffix_rounds"] <= stats["rounds"]
 
 
+def in_process_coordinator(stack, default_k: int, overlap: bool = False):
+    """A coordinator's Generation in this process, on the stack's workers and Redis."""
+    from coordinator.__main__ import worker_pools
+    from coordinator.config import CoordinatorConfig
+    from coordinator.generation import Generation
+    from coordinator.request import Limits
+    from coordinator.sessions import SessionStore
+    from coordinator.suffix import SuffixProposer
+    from coordinator.text import TextCodec
+    from specdec_core.engine.models import load_tokenizer
+    from specdec_core.serving.redis_client import connect_redis
+    from tiny_models import ENGINE
+
+    cfg = CoordinatorConfig.from_args(["--redis-url", stack.redis_url, "--target", stack.address("target"),
+                                       "--draft", stack.address("draft")])
+    target, draft = worker_pools(cfg)
+    info = target.model_info(60)
+    return Generation(SessionStore(connect_redis(stack.redis_url)),
+                      TextCodec(load_tokenizer(stack.target_model, ENGINE.cache_dir), "tiny"), draft, SuffixProposer(),
+                      target, Limits(info.vocab_size, info.max_context, 64, default_k, overlap=overlap))
+
+
 @pytest.mark.lossless
 def test_switching_method_and_k_mid_request_is_lossless(tiny_stack, hf_greedy, monkeypatch):
     """The policy's choices forced to rotate through every method and K, round by round, so that every
@@ -236,28 +258,18 @@ def test_switching_method_and_k_mid_request_is_lossless(tiny_stack, hf_greedy, m
     Redis; eight sessions at once, overlap on: bets are made, won and dropped by switches."""
     from concurrent.futures import ThreadPoolExecutor, wait
 
-    from coordinator.__main__ import worker_pools
-    from coordinator.config import CoordinatorConfig
-    from coordinator.generation import Generation
     from coordinator.loop import Speculator
-    from coordinator.suffix import SuffixProposer
-    from coordinator.request import GenerationRequest, Limits
     from coordinator.policy import Choice, SpeculationPolicy
-    from coordinator.request import DraftMethod
-    from coordinator.sessions import SessionStore
-    from coordinator.text import TextCodec
-    from specdec_core.engine.models import load_tokenizer
-    from specdec_core.serving.redis_client import connect_redis
-    from tiny_models import ENGINE
+    from coordinator.request import DraftMethod, GenerationRequest
 
     script = [Choice(DraftMethod.MODEL, 3), Choice(DraftMethod.SUFFIX, 4), Choice(DraftMethod.NONE, 0),
               Choice(DraftMethod.MODEL, 1), Choice(DraftMethod.MODEL, 6), Choice(DraftMethod.SUFFIX, 2),
               Choice(DraftMethod.MODEL, 2)]
 
     def scripted(self, ids: list[int], max_k: int, model_ready: bool = True) -> Choice:
-        self.calls = getattr(self, "calls", 0) + 1  # the first round drafts by n-gram
+        self.calls = getattr(self, "calls", 0) + 1  # the first round drafts by suffix lookup
         choice = script[self.calls % len(script)]
-        if choice.method == DraftMethod.MODEL and not model_ready:  # the draft warms up: n-gram stands in,
+        if choice.method == DraftMethod.MODEL and not model_ready:  # the draft warms up: suffix stands in,
             return Choice(DraftMethod.SUFFIX, min(4, max_k), stand_in=True)  # as the policy does
         return Choice(choice.method, min(choice.k, max_k))
 
@@ -270,14 +282,7 @@ def test_switching_method_and_k_mid_request_is_lossless(tiny_stack, hf_greedy, m
     warming_up = Speculator.warming_up.fget
     monkeypatch.setattr(SpeculationPolicy, "choose", scripted)
     monkeypatch.setattr(Speculator, "warming_up", property(settled))
-    cfg = CoordinatorConfig.from_args(["--redis-url", tiny_stack.redis_url, "--target", tiny_stack.address("target"),
-                                       "--draft", tiny_stack.address("draft")])
-    target, draft = worker_pools(cfg)
-    info = target.model_info(60)
-    generation = Generation(SessionStore(connect_redis(tiny_stack.redis_url)),
-                            TextCodec(load_tokenizer(tiny_stack.target_model, ENGINE.cache_dir), "tiny"), draft,
-                            SuffixProposer(), target,
-                            Limits(info.vocab_size, info.max_context, 64, 5, overlap=True))
+    generation = in_process_coordinator(tiny_stack, default_k=5, overlap=True)
     start = threading.Barrier(len(POLICY_PROMPTS))
 
     def run(ids: list[int]):
@@ -330,20 +335,10 @@ def test_a_generate_request_passes_each_coordinator_file_in_one_stretch(tiny_sta
     from concurrent.futures import ThreadPoolExecutor
     from pathlib import Path
 
-    from coordinator.__main__ import worker_pools
-    from coordinator.config import CoordinatorConfig
-    from coordinator.generation import Generation
-    from coordinator.suffix import SuffixProposer
-    from coordinator.request import Limits
     from coordinator.servicer import GenerationServicer
-    from coordinator.sessions import SessionStore
-    from coordinator.text import TextCodec
     from coordinator.workers import WorkerClient
     from specdec.v1 import generation_pb2 as pb
     from specdec.v1 import generation_pb2_grpc
-    from specdec_core.engine.models import load_tokenizer
-    from specdec_core.serving.redis_client import connect_redis
-    from tiny_models import ENGINE
 
     root = Path(__file__).resolve().parents[2] / "coordinator"
     paths: dict[str, set[tuple[str, ...]]] = {}  # request type -> the paths it was sent along
@@ -358,14 +353,7 @@ def test_a_generate_request_passes_each_coordinator_file_in_one_stretch(tiny_sta
         return call(self, method, request, ctx, retry_budget_s)
 
     monkeypatch.setattr(WorkerClient, "call", traced)
-    cfg = CoordinatorConfig.from_args(["--redis-url", tiny_stack.redis_url, "--target", tiny_stack.address("target"),
-                                       "--draft", tiny_stack.address("draft")])
-    target, draft = worker_pools(cfg)
-    info = target.model_info(60)
-    generation = Generation(SessionStore(connect_redis(tiny_stack.redis_url)),
-                            TextCodec(load_tokenizer(tiny_stack.target_model, ENGINE.cache_dir), "tiny"), draft,
-                            SuffixProposer(), target,
-                            Limits(info.vocab_size, info.max_context, 64, 4))
+    generation = in_process_coordinator(tiny_stack, default_k=4)
     server = grpc.server(ThreadPoolExecutor(4))
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(generation, pb.DescribeModelsResponse()),
                                                           server)
