@@ -35,11 +35,11 @@ class Drafting:
     def round(self, committed_ids: list[int], room: int, first: bool) -> Round:
         """One round of at most `room` draft tokens; `first`: the request's first (it prefills)."""
         method, k, stand_in = self._choose(committed_ids, room, first)
-        # multi-step plain decoding after plain and suffix rounds (their steps keep the batch in step; a
-        # model round's next block is drafting), but not in a request's first round (its first token
-        # would wait) nor in a stand-in's (the draft's warm-up may end within a step)
-        plain = k == 0 or method is DraftMethod.SUFFIX
-        steps = min(self.decode_steps, room - k) if plain and not first and not stand_in else 0
+        # multi-step plain decoding after a plain round (not after a drafted one: a model round's next
+        # block is drafting, and a suffix round's next lookup may draft again), but not in a request's
+        # first round (its first token would wait) nor in a stand-in's (the draft's warm-up may end
+        # within a step)
+        steps = min(self.decode_steps, room) if k == 0 and not first and not stand_in else 0
         decode = Decode(steps, self.stop_ids) if steps > 0 else NO_DECODE
         rnd = self.speculator.round(committed_ids, k, self.proposers.get(method), decode)
         if self.policy is not None:

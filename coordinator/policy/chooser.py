@@ -4,7 +4,8 @@ section 3.4, with the costs of `costs.py` at the current load n):
 
     none     (s + 1) V_solo(n) + o_v, serving s + 1 tokens: s plain decoding steps follow the verdict
              in the same call (multi-step decoding, the coordinator's --decode-steps)
-    suffix   V_solo(n + K) + o_v, serving n - 1 + E tokens: this session's block joins a pass of n
+    suffix   V_solo(n + K) + o_v, serving n - 1 + E tokens: this session's block joins a pass of n (no
+             plain steps follow: the next round looks up again)
     model    V(n (K + 1)) + o_v + D(n) K + o_d
              with overlap, when the bet wins (probability alpha^(K+1)): the larger of the two parts,
              and V_shared (the next block drafts during the pass), else V_solo; a switch to the
@@ -143,7 +144,7 @@ class SpeculationPolicy:
         """Every allowed method's candidates, K by K."""
         options = []
         if self._lookup and DraftMethod.SUFFIX in allowed:
-            options += [self._suffix(k, max_k) for k in SUFFIX_KS if k <= min(max_k, len(self._lookup))]
+            options += [self._suffix(k) for k in SUFFIX_KS if k <= min(max_k, len(self._lookup))]
         if DraftMethod.MODEL in allowed:
             alpha = self.alpha.value
             options += [self._model(k, alpha) for k in MODEL_KS if k <= max_k]
@@ -166,16 +167,15 @@ class SpeculationPolicy:
         hope = max((self._model(k, OPTIMISTIC_ALPHA) for k in MODEL_KS if k <= max_k), key=lambda c: c.gain)
         return hope if hope.gain > best.gain else best
 
-    def _suffix(self, k: int, max_k: int) -> Choice:
-        """This session's K tokens join a pass of n sessions, and its plain decoding steps follow as
-        after a plain round: what the call serves per session, the (n - 1) others' tokens (one per
-        pass) plus this one's, over the passes all of them wait for, the first longer by K tokens (the
-        lookup matched now, which the others' may not have: a symmetric guess would overrate it)."""
-        n, steps = self.costs.load, min(self.decode_steps, max_k - k)
-        tokens = n * (steps + 1) + self.runs.expected(self._hit, k)
-        first = self.costs.verify_ms(n + k, solo=True)  # one call: its overhead once
-        ms = first + self.costs.verify_ms(n, solo=True, passes=steps) - self.costs.verify_overhead_ms
-        return Choice(DraftMethod.SUFFIX, k, tokens / (n * ms))
+    def _suffix(self, k: int) -> Choice:
+        """This session's K tokens join a pass of n sessions: what the pass serves per session, the
+        (n - 1) others' tokens plus this one's, over the pass, longer by K tokens (the lookup matched
+        now, which the others' may not have: a symmetric guess would overrate it). No plain decoding
+        steps follow a suffix round: the next round looks up again, and where the text goes on
+        repeating, drafts again."""
+        n = self.costs.load
+        tokens = n + self.runs.expected(self._hit, k)
+        return Choice(DraftMethod.SUFFIX, k, tokens / (n * self.costs.verify_ms(n + k, solo=True)))
 
     def _model(self, k: int, alpha: float) -> Choice:
         """With overlap, a round after a model round finds its block drafted during the last pass when
