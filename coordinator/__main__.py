@@ -54,7 +54,7 @@ def suffix_proposer(cfg: CoordinatorConfig, client: redis.Redis) -> SuffixPropos
     """Suffix decoding over the session and its tenant's finished requests (every replica's, with
     --suffix-share)."""
     index = SuffixIndex(cfg.suffix_max_requests, cfg.suffix_max_tokens, cfg.suffix_max_total_tokens)
-    share = SuffixShare(client, index).start() if cfg.suffix_share else None
+    share = SuffixShare(client, index, ttl_s=cfg.session_ttl_s).start() if cfg.suffix_share else None
     return SuffixProposer(index, publish=share.publish if share else None)
 
 
@@ -97,7 +97,12 @@ def main(argv: list[str] | None = None) -> None:
         default_num_speculative_tokens=cfg.num_speculative_tokens, default_max_new_tokens=cfg.max_new_tokens,
     )
     if draft is not None and draft_info is None:  # serve now; describe the draft once it is up
-        threading.Thread(target=lambda: describe.draft.CopyFrom(draft.model_info(float("inf"))), daemon=True).start()
+        def draft_came_up() -> None:
+            info = draft.model_info(float("inf"))
+            describe.draft.CopyFrom(info)
+            generation.set_prior(Prior.for_models(target_info.num_parameters, info.num_parameters))
+
+        threading.Thread(target=draft_came_up, daemon=True).start()
     tokens = read_tenant_tokens(cfg.auth_tokens_file) if cfg.auth_tokens_file else {}
     interceptors = (BearerTokenInterceptor(tokens),) if tokens else ()
     service = pb.DESCRIPTOR.services_by_name["Generation"].full_name

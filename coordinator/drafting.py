@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from coordinator.loop import NO_DECODE, Decode, Proposer, Round, Speculator
 from coordinator.policy import SpeculationPolicy
+from coordinator.policy.chooser import Lookup
 from coordinator.request import DraftMethod, GenerationRequest
 
 
@@ -24,9 +25,10 @@ class Drafting:
 
     def __init__(self, speculator: Speculator, proposers: dict[DraftMethod, Proposer | None],
                  policy: SpeculationPolicy | None, fixed: tuple[DraftMethod, int], decode_steps: int,
-                 stop_ids: frozenset[int]):
+                 stop_ids: frozenset[int], lookup: Lookup):
         self.speculator = speculator
         self.proposers = proposers
+        self.lookup = lookup  # what a suffix round would propose
         self.policy = policy  # None: every round drafts `fixed`
         self.fixed = fixed
         self.decode_steps = decode_steps
@@ -49,8 +51,10 @@ class Drafting:
     def _choose(self, committed_ids: list[int], room: int, first: bool) -> tuple[DraftMethod, int, bool]:
         """(method, K, whether another method stands in for the draft model while it warms up)."""
         if self.policy is None:
-            method, k = self.fixed
-            return method, max(0, min(k, room)), False
+            method, k = self.fixed[0], max(0, min(self.fixed[1], room))
+            if method is DraftMethod.SUFFIX and not self.lookup(committed_ids, k):
+                return DraftMethod.NONE, 0, False  # nothing to propose: a plain round, with its steps
+            return method, k, False
         # not the draft model in a request's first round: that round prefills, and a warm-up started
         # with it would keep the target to its share of the cores for the prefill of every session in
         # its batch; on long prompts the draft prefills for longer than the target anyway

@@ -26,7 +26,9 @@ from coordinator.drafting import Drafting, fixed_choice
 from coordinator.finish import StopRule
 from coordinator.loop import Proposer, Round, Speculator, Verifier
 from coordinator.policy import Costs, Prior, PriorCosts, SpeculationPolicy
+from coordinator.policy.chooser import Lookup
 from coordinator.request import (
+    DEFAULT_TENANT,
     Chunk,
     DraftMethod,
     Finish,
@@ -35,7 +37,7 @@ from coordinator.request import (
     RequestContext,
     Stats,
 )
-from coordinator.sessions import DEFAULT_TENANT, RequestRecord, Session, SessionStore
+from coordinator.sessions import RequestRecord, Session, SessionStore
 from coordinator.suffix import SuffixProposer
 from coordinator.tenancy import RequestQuota
 from coordinator.text import OutputText, TextCodec
@@ -62,6 +64,10 @@ class Generation:
         self.costs = Costs(prior)  # the workers' costs as measured here, for every session's policy
         self.fixed_costs = PriorCosts(prior)  # a sampled request's: the same whatever the load
 
+    def set_prior(self, prior: Prior) -> None:
+        """The costs' prior, once the models' sizes are known (a draft that came up after this started)."""
+        self.costs.prior, self.fixed_costs = prior, PriorCosts(prior)
+
     def run(self, req: GenerationRequest, is_cancelled: Callable[[], bool] = lambda: False,
             tenant: str = DEFAULT_TENANT, deadline: float | None = None) -> Iterator[Chunk]:
         """The request's chunks; `deadline` (time.monotonic()) bounds every worker call made for it.
@@ -87,17 +93,18 @@ class Generation:
                         yield from self._serve(req, session, record, is_cancelled, deadline)
                 except (Cancelled, GeneratorExit):  # the client has gone: nobody will continue a one-shot session
                     if req.end_session:
-                        self.end(session)
+                        self.end(session, deadline)
                     raise
             if req.end_session:  # after the lease: ending is what EndSession does
-                self.end(session)
+                self.end(session, deadline)
 
-    def end(self, session: Session) -> None:
-        """Free a session's worker caches and delete its record (EndSession, or a one-shot request)."""
+    def end(self, session: Session, deadline: float | None = None) -> None:
+        """Free a session's worker caches and delete its record (EndSession, or a one-shot request),
+        the workers' calls within `deadline` (time.monotonic())."""
         for worker in (self.proposer, self.verifier):
             try:
                 if worker is not None:
-                    worker.release(session.session_id)
+                    worker.release(session.session_id, deadline)
             except SpecdecError as exc:  # caches are only caches; LRU frees them eventually
                 log.warning("could not release a cache: %s", exc)
         self.store.delete(session)
@@ -114,6 +121,7 @@ class Generation:
 
     def _serve(self, req: GenerationRequest, session: Session, record: RequestRecord | None,
                is_cancelled: Callable[[], bool], deadline: float | None) -> Iterator[Chunk]:
+        started = time.perf_counter()
         start, input_ids, max_new, record = self._begin(req, session, record)
         output_start = start + len(input_ids)
         ctx = RequestContext(session.session_id, replace(req.sampling, output_start=output_start), session.seed,
@@ -129,14 +137,15 @@ class Generation:
                             len(done), record.end, Stats())
                 return
             yield Chunk(session.session_id, text, done)
-        yield from self._decode(req, session, ctx, record, stop, out, len(input_ids), len(done), is_cancelled)
+        yield from self._decode(req, session, ctx, record, stop, out, len(input_ids), len(done), is_cancelled,
+                                started)
 
     def _decode(self, req: GenerationRequest, session: Session, ctx: RequestContext, record: RequestRecord | None,
                 stop: StopRule, out: OutputText, prompt_tokens: int, generated: int,
-                is_cancelled: Callable[[], bool]) -> Iterator[Chunk]:
+                is_cancelled: Callable[[], bool], started: float) -> Iterator[Chunk]:
         """The rounds: choose and run one, cut it by the finish rules, account, commit, yield."""
         drafting = self._drafting(req, ctx, stop.stop_ids)
-        stats, started = Stats(), time.perf_counter()
+        stats = Stats()
         while True:
             if is_cancelled():
                 raise Cancelled("the client cancelled the request")
@@ -220,7 +229,12 @@ class Generation:
         overlap = self.limits.overlap if req.overlap is None else req.overlap
         decode_steps = self.limits.decode_steps if req.decode_steps is None else req.decode_steps
         proposers = {DraftMethod.MODEL: self.proposer, DraftMethod.SUFFIX: self.suffix}
-        policy = self._policy(req, ctx.tenant, overlap, decode_steps)
+        greedy = req.sampling.is_greedy  # a sampled request looks up its own tokens alone (SuffixProposer.propose)
+
+        def lookup(ids: list[int], k: int) -> list[int]:
+            return self.suffix.continuation(ids, k, ctx.tenant, own_only=not greedy)
+
+        policy = self._policy(req, lookup, overlap, decode_steps)
         fixed = fixed_choice(req, self.limits.default_k, self.proposer is not None)
         if policy is not None:  # the speculator's own proposer is the one that overlaps
             own = self.proposer if DraftMethod.MODEL in policy.methods else None
@@ -228,13 +242,14 @@ class Generation:
             own = proposers.get(fixed[0])
         executor = self._prefetch if overlap and own is self.proposer else None
         return Drafting(Speculator(ctx, own, self.verifier, executor), proposers, policy, fixed, decode_steps,
-                        stop_ids)
+                        stop_ids, lookup)
 
-    def _policy(self, req: GenerationRequest, tenant: str, overlap: bool, decode_steps: int
+    def _policy(self, req: GenerationRequest, lookup: Lookup, overlap: bool, decode_steps: int
                 ) -> SpeculationPolicy | None:
         """The per-round choice of draft method and K, for a request that fixes neither (or asks for
-        `adaptive`: then among its method and none). Sampled requests choose from fixed costs, so
-        that a seed gives the same tokens whatever the load."""
+        `adaptive`: then among its method and none). Sampled requests choose from fixed costs and
+        look up their own tokens alone, so that a seed gives the same tokens whatever the load and
+        whatever else has finished."""
         fixed = req.method is not None or req.num_speculative_tokens is not None
         if req.method is DraftMethod.NONE or (fixed and not req.adaptive):
             return None
@@ -242,8 +257,7 @@ class Generation:
         if self.proposer is None:
             methods.discard(DraftMethod.MODEL)
         costs = self.costs if req.sampling.is_greedy else self.fixed_costs
-        return SpeculationPolicy(costs, frozenset(methods), overlap, req.num_speculative_tokens,
-                                 lambda ids, n: self.suffix.continuation(ids, n, tenant), decode_steps)
+        return SpeculationPolicy(costs, frozenset(methods), overlap, req.num_speculative_tokens, lookup, decode_steps)
 
     def _input_ids(self, req: GenerationRequest, session: Session) -> list[int]:
         if req.token_ids is not None:

@@ -47,7 +47,7 @@ class Draft:
     batch_size: int = 0  # sessions in that batch
     batch_prefill_tokens: int = 0  # tokens the draft worker's batch had to (re)compute before drafting
     proposed: int = 0  # tokens the worker drafted in that call (a bet's block is a part of them)
-    from_worker: bool = True  # False: proposed in the coordinator (n-gram), no draft worker was busy
+    from_worker: bool = True  # False: proposed in the coordinator (suffix decoding), no draft worker was busy
     drafting_meanwhile: bool = False  # a draft worker drafts for this session while this is verified
 
 

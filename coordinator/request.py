@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from coordinator.loop import Round
 
 
+DEFAULT_TENANT = "default"  # a caller without a tenant of its own (no bearer token, no certificate)
+
+
 class DraftMethod(enum.Enum):
     """Where a round's draft tokens come from. A request names one or leaves the choice to the
     server's speculation policy (`None`), which chooses among them round by round."""
@@ -82,7 +85,7 @@ class RequestContext:
     session_id: str
     sampling: SamplingConfig = SamplingConfig()
     seed: int = 0
-    tenant: str = "default"
+    tenant: str = DEFAULT_TENANT
     routes: dict[str, str] = field(default_factory=dict)
     deadline: float | None = None
     cancel: CancelToken | None = None

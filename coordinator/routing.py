@@ -269,9 +269,9 @@ class Routed:
                ) -> Verdict:
         return self.pool.call(ctx.session_id, ctx.routes, lambda c: c.verify(ctx, committed_ids, draft, decode))
 
-    def release(self, session_id: str) -> None:
+    def release(self, session_id: str, deadline: float | None = None) -> None:
         for client in self.pool.clients():
-            client.release(session_id)
+            client.release(session_id, deadline)
 
     def model_info(self, wait_s: float):
         deadline = time.monotonic() + wait_s

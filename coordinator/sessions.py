@@ -42,13 +42,12 @@ from dataclasses import asdict, dataclass, field
 
 import redis
 
-from coordinator.request import Stats
+from coordinator.request import DEFAULT_TENANT, Stats
 from specdec_core.serving.redis_client import redis_errors
 from specdec_core import metrics
 from specdec_core.errors import Aborted, FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from specdec_core.logs import short_id
 
-DEFAULT_TENANT = "default"
 
 # KEYS: meta, ids, tenant's sessions, request record.
 # ARGV: expected version, meta, ttl, commit id, tenant, max sessions, session id, request record
@@ -113,6 +112,10 @@ return 0
 
 log = logging.getLogger(__name__)
 
+# What a session's stats keep in Redis (the per-round details stay with each request's own stats);
+# the fields every coordinator version reads, so that replicas of two versions share sessions.
+SESSION_STATS = ("requests", "rounds", "drafted", "accepted", "generated", "wall_ms", "draft_ms", "verify_ms")
+
 
 @dataclass
 class Session:
@@ -134,7 +137,8 @@ class Session:
 
     def meta_json(self) -> str:
         return json.dumps(
-            {"seed": self.seed, "messages": self.messages, "sampling": self.sampling, "stats": asdict(self.stats),
+            {"seed": self.seed, "messages": self.messages, "sampling": self.sampling,
+             "stats": {name: getattr(self.stats, name) for name in SESSION_STATS},
              "routes": self.routes, "request": self.request_id}
         )
 
@@ -206,7 +210,7 @@ class SessionStore:
             token_ids=[int(t) for t in ids],
             messages=meta["messages"],
             sampling=meta["sampling"],
-            stats=Stats(**meta["stats"]),
+            stats=Stats(**{name: value for name, value in meta["stats"].items() if name in SESSION_STATS}),
             routes=meta.get("routes", {}),
             request_id=meta.get("request", ""),
             version=int(fields[b"version"]),

@@ -56,7 +56,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coordinator.loop import Draft
-from coordinator.request import RequestContext
+from coordinator.request import DEFAULT_TENANT, RequestContext
 from specdec_core import metrics
 
 WIDTH = 4  # bytes a token on a tape (array typecode 'I')
@@ -237,17 +237,24 @@ class SuffixProposer:
         self.rungs = tuple(sorted({min_match, *(r for r in MATCH_RUNGS if min_match < r <= max_match)}))
 
     def propose(self, ctx: RequestContext, committed_ids: list[int], num_tokens: int) -> Draft:
-        tokens = self.continuation(committed_ids, num_tokens, tenant=ctx.tenant)
+        """A greedy request drafts from its session and its tenant's index; a sampled one from its
+        session alone, so that its seed gives the same tokens whatever else has finished (which
+        positions were drafted decides which keyed draws make a sampled token)."""
+        tokens = self.continuation(committed_ids, num_tokens, ctx.tenant, own_only=not ctx.sampling.is_greedy)
         dists = [] if ctx.sampling.is_greedy else [([t], [1.0]) for t in tokens]
         return Draft(tokens, dists, from_worker=False)
 
-    def continuation(self, ids: list[int], num_tokens: int, tenant: str = "default") -> list[int]:
-        """What this proposer would propose after ids (the policy may score it on every round)."""
+    def continuation(self, ids: list[int], num_tokens: int, tenant: str = DEFAULT_TENANT, own_only: bool = False
+                     ) -> list[int]:
+        """What this proposer would propose after ids (the policy may score it on every round);
+        own_only: from ids alone, not the tenant's index."""
         if num_tokens <= 0 or len(ids) < self.min_match:
             return []
         pattern = array("I", ids[-self.max_match:]).tobytes()
         own = encode(ids)
         best, best_score = self._best(own, pattern, len(own) - 2 * WIDTH, num_tokens)
+        if own_only:
+            return best
         tape = self.index.tape(tenant)
         path, score = self._best(tape, pattern, len(tape), num_tokens)
         return path if score > best_score else best

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from coordinator.sessions import DEFAULT_TENANT
+from coordinator.request import DEFAULT_TENANT
 from specdec_core import metrics
 from specdec_core.errors import ResourceExhausted, Unauthenticated
 from specdec_core.serving.security import bearer_token, known_token

@@ -168,8 +168,9 @@ class DraftClient(WorkerClient):
         return Draft(list(response.token_ids), dists, response.compute_ms, response.batch_size,
                      response.batch_prefill_tokens, len(response.token_ids))
 
-    def release(self, session_id: str) -> None:
-        self.call(self.stub.ReleaseDraftCache, draft_pb2.ReleaseDraftCacheRequest(session_id=session_id))
+    def release(self, session_id: str, deadline: float | None = None) -> None:
+        self.call(self.stub.ReleaseDraftCache, draft_pb2.ReleaseDraftCacheRequest(session_id=session_id),
+                  RequestContext(session_id, deadline=deadline))
 
     def model_info(self, retry_budget_s: float | None = None) -> common_pb2.ModelInfo:
         return self.call(self.stub.GetDraftModel, draft_pb2.GetDraftModelRequest(),
@@ -197,8 +198,9 @@ class TargetClient(WorkerClient):
                        response.batch_prefill_tokens, list(response.decoded_ids), max(1, response.passes),
                        response.pass_tokens)
 
-    def release(self, session_id: str) -> None:
-        self.call(self.stub.ReleaseTargetCache, target_pb2.ReleaseTargetCacheRequest(session_id=session_id))
+    def release(self, session_id: str, deadline: float | None = None) -> None:
+        self.call(self.stub.ReleaseTargetCache, target_pb2.ReleaseTargetCacheRequest(session_id=session_id),
+                  RequestContext(session_id, deadline=deadline))
 
     def model_info(self, retry_budget_s: float | None = None) -> common_pb2.ModelInfo:
         return self.call(self.stub.GetTargetModel, target_pb2.GetTargetModelRequest(),

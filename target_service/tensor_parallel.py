@@ -70,7 +70,7 @@ class ReplicatedBackend:
         self.tier = None if tier is None else ReplicatedTier(self, tier)
         self.control = control
         self.on_failure = on_failure
-        self.name, self.vocab_size = local.name, local.vocab_size
+        self.name, self.vocab_size, self.num_parameters = local.name, local.vocab_size, local.num_parameters
         self.max_context, self.dtype, self.device = local.max_context, local.dtype, local.device
         self.capacity, self.units_for = local.capacity, local.units_for  # rank 0's state mirrors every rank's
         if not hasattr(local, "share_prefix"):  # a backend that shares no blocks (SessionCaches checks)

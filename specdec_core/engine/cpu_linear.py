@@ -201,6 +201,8 @@ def _slice_forward(fused: Fused, start: int, end: int):
 
 
 def num_parameters(model: torch.nn.Module) -> int:
-    """The model's parameters, counting a packed linear's weight (its parameter is left empty)."""
-    packed = sum(m.in_features * m.out_features for m in model.modules() if hasattr(m, "specdec_packed_weight"))
+    """The model's parameters, counting a packed linear's weight (its parameter is left empty; a weight
+    tied to another parameter, such as an LM head to the embedding, stays and is counted once)."""
+    packed = sum(m.in_features * m.out_features for m in model.modules()
+                 if hasattr(m, "specdec_packed_weight") and m.weight.numel() == 0)
     return sum(p.numel() for p in model.parameters()) + packed

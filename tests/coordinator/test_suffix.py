@@ -208,10 +208,16 @@ def test_tenants_are_isolated():
     assert p.continuation([9, *P], 8, tenant="b") == secret[:8]
 
 
-def test_one_hot_distributions_when_sampling():
+def test_one_hot_distributions_when_sampling_and_only_the_sessions_own_tokens():
+    """A sampled request drafts from its own tokens alone (which positions are drafted decides which
+    keyed draws make its tokens: its seed must give the same output whatever else has finished),
+    and sends the one-hot distribution it drafted from."""
     p = proposer()
     p.finished("a", [*P, 801, 802, 803])
-    greedy, sampled = p.propose(GREEDY, [9, *P], 3), p.propose(SAMPLED, [9, *P], 3)
+    assert p.propose(GREEDY, [9, *P], 3).token_ids == [801, 802, 803]
+    assert p.propose(SAMPLED, [9, *P], 3).token_ids == []  # the index is not the session's
+    own = [*P, 801, 802, 803, 7, *P]
+    greedy, sampled = p.propose(GREEDY, own, 3), p.propose(SAMPLED, own, 3)
     assert greedy.token_ids == sampled.token_ids == [801, 802, 803]
     assert greedy.dists == [] and sampled.dists == [([801], [1.0]), ([802], [1.0]), ([803], [1.0])]
     assert not greedy.from_worker and not sampled.from_worker

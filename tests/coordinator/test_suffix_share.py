@@ -68,18 +68,35 @@ def test_a_tenants_requests_reach_only_that_tenants_index(server):
     assert b.index.num_tokens("beta") == 0 and b.index.num_tokens("alpha") == len(PROMPT + OUTPUT)
 
 
-def test_each_tenants_stream_is_capped_at_the_index_bound(server):
-    a, share_a = replica(server.url, max_sequences=4)
+def test_each_tenants_stream_holds_about_what_its_index_holds_and_expires(server):
+    a, share_a = replica(server.url, max_sequences=4, max_tokens=100)
     for i in range(600):
         a.finished("alpha", [i, i + 1, i + 2])
         if i % 50 == 0:
             share_a.sync(block_ms=0)
     share_a.sync(block_ms=0)
     client = redis.Redis.from_url(server.url)
-    # XADD MAXLEN ~ trims whole stream nodes (100 entries each): at most one node over the bound
-    assert client.xlen(stream_key("alpha")) <= 4 + 100
+    assert client.xlen(stream_key("alpha")) == 4 and a.index.num_sequences("alpha") == 4  # the sequence bound
+    a.finished("alpha", list(range(1000, 1500)))  # longer than the token bound: its last 100 tokens
+    a.finished("alpha", list(range(2000, 2040)))
+    share_a.sync(block_ms=0)
+    assert client.xlen(stream_key("alpha")) == 2  # the newest two: the bound of 100 tokens over requests of 40
+    assert len(client.xrange(stream_key("alpha"))[0][1][b"ids"]) == 4 * 100
     assert client.smembers(TENANTS_KEY) == {b"alpha"}
-    assert a.index.num_sequences("alpha") == 4
+    assert 0 < client.ttl(stream_key("alpha")) <= 86400 and 0 < client.ttl(TENANTS_KEY) <= 86400
+
+
+def test_a_malformed_or_foreign_key_stops_nothing(server):
+    """A tenant named like the tenants' set, and a malformed entry: the others' entries still arrive."""
+    a, share_a = replica(server.url)
+    b, share_b = replica(server.url)
+    a.finished("tenants", PROMPT + OUTPUT)
+    redis.Redis.from_url(server.url).xadd(stream_key("alpha"), {"ids": b"abc", "from": b"elsewhere"})
+    a.finished("alpha", PROMPT + OUTPUT)
+    share_a.sync(block_ms=0)
+    assert share_b.sync(block_ms=0) == 2
+    assert b.continuation([9, *PROMPT], 6, tenant="tenants") == OUTPUT
+    assert b.continuation([9, *PROMPT], 6, tenant="alpha") == OUTPUT
 
 
 def test_redis_down_keeps_the_local_index_and_delivers_what_was_published_meanwhile(server):

@@ -26,7 +26,7 @@ PROMPTS = [[504, 3458, 282, 4649, 314], [1073, 2102, 30, 9, 17, 3365, 11, 4500],
 N = 24
 TOKENS = {"alpha": "tok-suffix-alpha", "beta": "tok-suffix-beta"}
 METRICS_PORT = free_port()
-STAT_IDS = [2033, 148, 3907, 61, 2710]
+STAT_IDS = [2033, 148, 3907, 61, 2710, 2033, 148]  # "2033 148" again: the lookup proposes "3907 61"
 STAT_CFG = dict(temperature=1.0, top_k=6)
 STAT_SAMPLES = 2400
 
@@ -88,18 +88,16 @@ def test_greedy_identical_with_suffix_drafts_from_other_sessions_under_batching(
 @pytest.mark.lossless
 def test_sampled_tokens_with_suffix_drafts_follow_the_exact_distribution(stack, hf_greedy):
     """STAT_SAMPLES seeded requests at T = 1 whose first two tokens are drafted by suffix decoding
-    (one-hot q: accepted with probability p(d), else the recovered token from p without d) from the
-    index of the earlier requests: the counts fit the target's exact distribution, and reject the
-    distribution at another temperature (so the test can tell)."""
-    generate(stack, STAT_IDS, max_new_tokens=2, draft="none")  # indexed: the first drafts propose it
-
+    (one-hot q: accepted with probability p(d), else the recovered token from p without d); a
+    sampled request drafts from its own tokens (here its prompt) alone. The counts fit the target's
+    exact distribution, and reject the distribution at another temperature (so the test can tell)."""
     def sample(seed: int) -> tuple[tuple[int, int], int]:
         r = generate(stack, STAT_IDS, max_new_tokens=2, draft="suffix", k=2, seed=seed, **STAT_CFG)
         return tuple(r.token_ids), r.stats["drafted"]
 
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(sample, range(STAT_SAMPLES)))
-    assert sum(drafted > 0 for _, drafted in results) > STAT_SAMPLES // 2
+    assert all(drafted > 0 for _, drafted in results)
     counts = Counter(pair for pair, _ in results)
     cfg = SamplingConfig(**STAT_CFG, output_start=len(STAT_IDS))
     exact = exact_two_token_distribution(hf_greedy.model, STAT_IDS, cfg)
