@@ -35,26 +35,26 @@ class Drafting:
         self.stop_ids = stop_ids
 
     def round(self, committed_ids: list[int], room: int, first: bool) -> Round:
-        """One round of at most `room` draft tokens; `first`: the request's first (it prefills)."""
-        method, k, stand_in = self._choose(committed_ids, room, first)
-        # multi-step plain decoding after a plain round (not after a drafted one: a model round's next
-        # block is drafting, and a suffix round's next lookup may draft again), but not in a request's
-        # first round (its first token would wait) nor in a stand-in's (the draft's warm-up may end
-        # within a step)
-        steps = min(self.decode_steps, room) if k == 0 and not first and not stand_in else 0
+        """One round of at most `room` draft tokens; `first`: the request's first (it prefills, and
+        takes no plain decoding steps: its first token would wait)."""
+        method, k, steps = self._choose(committed_ids, room, first)
+        steps = 0 if first else min(steps, room - k)
         decode = Decode(steps, self.stop_ids) if steps > 0 else NO_DECODE
         rnd = self.speculator.round(committed_ids, k, self.proposers.get(method), decode)
         if self.policy is not None:
             self.policy.observe(rnd)
         return rnd
 
-    def _choose(self, committed_ids: list[int], room: int, first: bool) -> tuple[DraftMethod, int, bool]:
-        """(method, K, whether another method stands in for the draft model while it warms up)."""
+    def _choose(self, committed_ids: list[int], room: int, first: bool) -> tuple[DraftMethod, int, int]:
+        """(method, K, plain decoding steps after the verdict). A fixed choice takes steps after plain
+        rounds only (a model round's next block is drafting, a suffix round's next lookup may draft
+        again); the policy plans them with its choice; a stand-in for the draft model takes none (the
+        draft's warm-up may end within a step)."""
         if self.policy is None:
             method, k = self.fixed[0], max(0, min(self.fixed[1], room))
             if method is DraftMethod.SUFFIX and not self.lookup(committed_ids, k):
-                return DraftMethod.NONE, 0, False  # nothing to propose: a plain round, with its steps
-            return method, k, False
+                return DraftMethod.NONE, 0, self.decode_steps  # nothing to propose: a plain round
+            return method, k, self.decode_steps if k == 0 else 0
         # not the draft model in a request's first round: that round prefills, and a warm-up started
         # with it would keep the target to its share of the cores for the prefill of every session in
         # its batch; on long prompts the draft prefills for longer than the target anyway
@@ -62,4 +62,4 @@ class Drafting:
         choice = self.policy.choose(committed_ids, room, model_ready=ready)
         if choice.method is not DraftMethod.MODEL and not choice.stand_in:
             self.speculator.drop_warm_up()
-        return choice.method, choice.k, choice.stand_in
+        return choice.method, choice.k, 0 if choice.stand_in else choice.steps

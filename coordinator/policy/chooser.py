@@ -4,8 +4,9 @@ section 3.4, with the costs of `costs.py` at the current load n):
 
     none     (s + 1) V_solo(n) + o_v, serving s + 1 tokens: s plain decoding steps follow the verdict
              in the same call (multi-step decoding, the coordinator's --decode-steps)
-    suffix   V_solo(n + K) + o_v, serving n - 1 + E tokens: this session's block joins a pass of n (no
-             plain steps follow: the next round looks up again)
+    suffix   V_solo(n + K) + o_v, serving n - 1 + E tokens: this session's block joins a pass of n;
+             beside other sessions (n > 1) s plain steps follow, as after a plain round, which keeps
+             its calls in step with theirs; alone, none do: the next round looks up again
     model    V(n (K + 1)) + o_v + D(n) K + o_d
              with overlap, when the bet wins (probability alpha^(K+1)): the larger of the two parts,
              and V_shared (the next block drafts during the pass), else V_solo; a switch to the
@@ -61,6 +62,7 @@ class Choice:
     k: int
     gain: float = 0.0  # expected tokens per millisecond
     stand_in: bool = False  # the draft model's turn, taken by another method while the draft warms up
+    steps: int = 0  # plain decoding steps the target takes after the round's verdict, in the same call
 
 
 def _rank(choice: Choice) -> tuple[float, int]:
@@ -95,7 +97,7 @@ class SpeculationPolicy:
         max_k = max_k if self.max_k is None else min(max_k, self.max_k)
         self._lookup = self.lookup(committed_ids, LOOKUP_TOKENS) if DraftMethod.SUFFIX in self.methods else []
         plain = self.costs.verify_ms(self.costs.load, solo=True, passes=steps + 1)
-        options = [Choice(DraftMethod.NONE, 0, (steps + 1) / plain)]
+        options = [Choice(DraftMethod.NONE, 0, (steps + 1) / plain, steps=steps)]
         if max_k <= 0:
             return options[0]
         allowed = self.methods & (self.costs.gate.allowed(self.costs.active) if self.costs.learns else ALL)
@@ -144,7 +146,7 @@ class SpeculationPolicy:
         """Every allowed method's candidates, K by K."""
         options = []
         if self._lookup and DraftMethod.SUFFIX in allowed:
-            options += [self._suffix(k) for k in SUFFIX_KS if k <= min(max_k, len(self._lookup))]
+            options += [self._suffix(k, max_k) for k in SUFFIX_KS if k <= min(max_k, len(self._lookup))]
         if DraftMethod.MODEL in allowed:
             alpha = self.alpha.value
             options += [self._model(k, alpha) for k in MODEL_KS if k <= max_k]
@@ -167,15 +169,19 @@ class SpeculationPolicy:
         hope = max((self._model(k, OPTIMISTIC_ALPHA) for k in MODEL_KS if k <= max_k), key=lambda c: c.gain)
         return hope if hope.gain > best.gain else best
 
-    def _suffix(self, k: int) -> Choice:
-        """This session's K tokens join a pass of n sessions: what the pass serves per session, the
-        (n - 1) others' tokens plus this one's, over the pass, longer by K tokens (the lookup matched
-        now, which the others' may not have: a symmetric guess would overrate it). No plain decoding
-        steps follow a suffix round: the next round looks up again, and where the text goes on
-        repeating, drafts again."""
+    def _suffix(self, k: int, max_k: int) -> Choice:
+        """This session's K tokens join a pass of n sessions: what the call serves per session, the
+        (n - 1) others' tokens (one per pass) plus this one's, over the passes all of them wait for,
+        the first longer by K tokens (the lookup matched now, which the others' may not have: a
+        symmetric guess would overrate it). Beside other sessions its plain decoding steps follow, as
+        after a plain round, so that its calls keep in step with theirs; alone, none do: the next
+        round looks up again, and where the text goes on repeating, drafts again."""
         n = self.costs.load
-        tokens = n + self.runs.expected(self._hit, k)
-        return Choice(DraftMethod.SUFFIX, k, tokens / (n * self.costs.verify_ms(n + k, solo=True)))
+        steps = min(self.decode_steps, max_k - k) if n > 1 else 0
+        tokens = n * (steps + 1) + self.runs.expected(self._hit, k)
+        first = self.costs.verify_ms(n + k, solo=True)  # one call: its overhead once
+        ms = first + self.costs.verify_ms(n, solo=True, passes=steps) - self.costs.verify_overhead_ms
+        return Choice(DraftMethod.SUFFIX, k, tokens / (n * ms), steps=steps)
 
     def _model(self, k: int, alpha: float) -> Choice:
         """With overlap, a round after a model round finds its block drafted during the last pass when
