@@ -55,7 +55,7 @@ class Generation:
                  verifier: Verifier, limits: Limits, quota: RequestQuota | None = None, prior: Prior = Prior()):
         self.store = store
         self.quota = quota or RequestQuota()
-        self._prefetch = ThreadPoolExecutor(max_workers=limits.max_concurrent_requests, thread_name_prefix="prefetch")
+        self._overlap = ThreadPoolExecutor(max_workers=limits.max_concurrent_requests, thread_name_prefix="overlap")
         self.codec = codec
         self.proposer = proposer
         self.suffix = suffix  # drafts from the session's tokens and its tenant's finished requests
@@ -240,7 +240,7 @@ class Generation:
             own = self.proposer if DraftMethod.MODEL in policy.methods else None
         else:
             own = proposers.get(fixed[0])
-        executor = self._prefetch if overlap and own is self.proposer else None
+        executor = self._overlap if overlap and own is self.proposer else None
         return Drafting(Speculator(ctx, own, self.verifier, executor), proposers, policy, fixed, decode_steps,
                         stop_ids, lookup)
 

@@ -114,10 +114,10 @@ class Speculator:
         self.proposer = proposer
         self.verifier = verifier
         self.executor = executor  # None: no overlap
-        self._prefetched: _Bet | None = None
+        self._bet: _Bet | None = None
         self._warmup: _WarmUp | None = None
         self._warmed = False  # the draft has been asked for this session
-        self.prefetch_hits = 0
+        self.bets_won = 0
 
     def round(self, committed_ids: list[int], k: int, proposer: Proposer | None = None,
               decode: Decode = NO_DECODE) -> Round:
@@ -126,7 +126,7 @@ class Speculator:
         started = time.perf_counter()
         proposer = proposer or self.proposer
         overlaps = proposer is self.proposer and self.executor is not None
-        draft = self._take_prefetched(committed_ids, k if overlaps else 0)
+        draft = self._take_bet(committed_ids, k if overlaps else 0)
         if draft is None and k > 0 and proposer is not None:
             draft = self._warm_up(committed_ids, k) if overlaps else None
             if draft is None:
@@ -149,7 +149,7 @@ class Speculator:
         elif pending is not None:
             bet = pending.result()
             prefix = committed_ids + draft.token_ids
-            self._prefetched = _Bet(len(prefix), prefix[-8:], bet)
+            self._bet = _Bet(len(prefix), prefix[-8:], bet)
         done = time.perf_counter()
         return Round(
             new_ids=new_ids,
@@ -222,17 +222,17 @@ class Speculator:
             self._warmup.token.cancel()
             self._warmup, self._warmed = None, False
 
-    def _take_prefetched(self, committed_ids: list[int], k: int) -> Draft | None:
+    def _take_bet(self, committed_ids: list[int], k: int) -> Draft | None:
         if self._warmup is not None and self._warmup.proposal.done():
             warmup, self._warmup = self._warmup, None
-            self._prefetched = _Bet(warmup.length, warmup.tail, warmup.proposal.result())
-        bet, self._prefetched = self._prefetched, None
+            self._bet = _Bet(warmup.length, warmup.tail, warmup.proposal.result())
+        bet, self._bet = self._bet, None
         if bet is None or k == 0:
             return None
         block = bet.block_after(committed_ids)
         if block is None:
             return None
-        self.prefetch_hits += 1
+        self.bets_won += 1
         return replace(block, token_ids=block.token_ids[:k], dists=block.dists[:k])
 
 

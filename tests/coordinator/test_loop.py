@@ -69,7 +69,7 @@ def test_first_rounds_decode_plainly_while_the_draft_warms_up():
     assert (first.num_drafted, first.new_ids) == (0, [10]) and (second.num_drafted, second.new_ids) == (0, [11])
     assert proposer.calls[0] == (3, 4)
     assert third.num_drafted == 2 and third.new_ids == [12, 13, 14]
-    assert spec.prefetch_hits == 1
+    assert spec.bets_won == 1
 
 
 def test_turning_to_the_draft_mid_request_decodes_plainly_while_it_catches_up():
@@ -160,7 +160,7 @@ def test_a_lost_bet_is_cancelled_not_awaited():
     assert rnd.num_drafted == 3 and rnd.new_ids == [11, 99] and rnd.num_accepted == 1
     assert proposer.calls == [(3, 4), (7, 4)]
     assert proposer.bets_cancelled == 1
-    assert spec._prefetched is None
+    assert spec._bet is None
 
 
 def test_a_won_bet_is_the_next_block():
@@ -175,7 +175,7 @@ def test_a_won_bet_is_the_next_block():
         third = spec.round([1, 2, 3, 10, *second.new_ids], 3)
     assert second.new_ids == [11, 12, 13, 10]
     assert third.num_drafted == 3 and third.new_ids == [11, 12, 13, 10]
-    assert spec.prefetch_hits == 2
+    assert spec.bets_won == 2
     # nothing drafted in the foreground: the warm-up, then each round's bet
     assert proposer.calls == [(3, 4), (7, 4), (11, 4)]
 
