@@ -301,13 +301,16 @@ def test_switching_method_and_k_mid_request_is_lossless(tiny_stack, hf_greedy, m
 @pytest.mark.lossless
 def test_seeded_sampling_under_the_default_policy_is_reproducible_at_any_concurrency(tiny_stack):
     """A sampled request's choices depend only on its tokens and seed (fixed costs, its own
-    acceptance), so the same seed gives the same tokens alone, again, and among seven others."""
+    acceptance, suffix lookups in its own tokens: not in what other requests have said, which the
+    second round of requests finds in the index), so the same seed gives the same tokens alone,
+    again, and among seven others. The prompts repeat themselves, so that the lookup drafts (the
+    tiny pair's draft is as large as its target: the policy never expects the model to pay)."""
     kwargs = dict(max_new_tokens=30, temperature=0.9, top_k=50, top_p=0.95, seed=4321)  # no method, no K
-    address = tiny_stack.address("coordinator")
+    address, prompts = tiny_stack.address("coordinator"), POLICY_PROMPTS[4:6]
     with Client(address, timeout_s=120) as c:
-        alone = [c.generate(ids, **kwargs) for ids in POLICY_PROMPTS[:2]]
-        again = [c.generate(ids, **kwargs) for ids in POLICY_PROMPTS[:2]]
-    crowded = generate_at_once(address, [POLICY_PROMPTS[i % 2] for i in range(8)], **kwargs)
+        alone = [c.generate(ids, **kwargs) for ids in prompts]
+        again = [c.generate(ids, **kwargs) for ids in prompts]
+    crowded = generate_at_once(address, [prompts[i % 2] for i in range(8)], **kwargs)
     for i in range(8):
         assert crowded[i].token_ids == alone[i % 2].token_ids == again[i % 2].token_ids, i
     assert all(r.stats["drafted"] > 0 for r in alone)  # the policy speculated

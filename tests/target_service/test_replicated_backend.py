@@ -13,7 +13,7 @@ pytestmark = pytest.mark.capacity
 
 
 class Local:
-    name, vocab_size, max_context, dtype, device, capacity = "local", 8, 64, "float32", "cpu", 10
+    name, vocab_size, max_context, dtype, device, capacity, num_parameters = "local", 8, 64, "float32", "cpu", 10, 0
 
     def __init__(self):
         self.calls = []
