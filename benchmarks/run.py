@@ -262,14 +262,17 @@ def warm_up(runners: dict[str, Runner], progress: Progress) -> None:
         progress(f"warm-up {name}: {len(request.token_ids)} tokens in {request.wall_s:.2f} s")
 
 
-def serve_history(address: str, tokens: stacks.TenantTokens, plan: Plan, row_tenants: list[str],
+def serve_history(address: str, tokens: stacks.TenantTokens, plan: Plan, concurrency: int,
                   progress: Progress) -> None:
-    """Before repetitive rows: each row's tenant serves plan.history requests of the set's kinds
+    """Before repetitive rows at this concurrency: the tenant of each row whose configuration may draft
+    from the index, in each pass, serves plan.history requests of the set's kinds
     (items from REPETITIVE_HISTORY_START, whose inputs no measured request has), unmeasured, at K = 0,
     so that its suffix index holds what a tenant's holds once it has been served a while; the
     fresh_stack rows show a cold start."""
     if not plan.history:
         return
+    row_tenants = [tenant("main", REPETITIVE_SET, name, concurrency, wave)
+                   for name in indexed(plan.configs) for wave in range(plan.waves)]
     jobs = list(enumerate(repetitive(plan.history, REPETITIVE_HISTORY_START), REPETITIVE_HISTORY_START))
     options = {"draft": "none", "k": 0, "max_new_tokens": plan.max_new_tokens}
     for name in row_tenants:
@@ -353,9 +356,7 @@ def concurrent(prompt_set: str, prompts: list[list[dict]], plan: Plan, stack, to
             stacks.run_batch(address, jobs[:c], c, {**SPECDEC[name], "max_new_tokens": new_tokens},
                              lambda request, started: None, token=tokens(warm_up_tenant(prompt_set, name, c)))
         if prompt_set == REPETITIVE_SET:
-            serve_history(address, tokens, plan, [tenant("main", prompt_set, name, c, wave)
-                                                  for name in indexed(plan.configs) for wave in range(plan.waves)],
-                          progress)
+            serve_history(address, tokens, plan, c, progress)
         done: dict[str, list] = {name: [[], 0.0, {}] for name in plan.configs}  # requests, wall, memory
         for wave in range(plan.waves):
             for name in plan.configs[::-1] if (j + wave) % 2 else plan.configs:
@@ -432,9 +433,7 @@ def bench_main(plan: Plan, progress: Progress, log_dir: Path, tokens: stacks.Ten
         for prompt_set in plan.sets:
             prompts = take(prompt_set, plan.prompts)
             if prompt_set == REPETITIVE_SET:
-                serve_history(stack.address("coordinator"), tokens, plan,
-                              [tenant("main", prompt_set, name, 1, wave) for name in indexed(plan.configs)
-                               for wave in range(plan.waves)], progress)
+                serve_history(stack.address("coordinator"), tokens, plan, 1, progress)
             rows += sequential("main", prompt_set, prompts, runners, plan.max_new_tokens, progress,
                                stacks.quiet(stack), plan.waves)
             clients.close()  # this set's tenants are done with
