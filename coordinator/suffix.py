@@ -40,7 +40,7 @@ only: a recency-weighted estimate. A lookup's cost is bounded by one tenant's ta
 size of the index.
 
 Bounds (SuffixIndex): per tenant the most recent 256 sequences and 64k tokens, the oldest out first
-(this bounds a lookup: p50 0.18 ms, p99 0.34 ms at full size, on a shared 2-core CPU), and 1M tokens
+(this bounds a lookup: p50 0.18 ms, p99 0.33 ms at full size, on a shared 2-core CPU), and 1M tokens
 over all tenants (16 tenants at their bound), the least recently used tenant's oldest sequences out
 first. At that full size the index holds 4.1 MB (tracemalloc, benchmarks/suffix_lookup.py), plus,
 transiently, a copy of one tenant's tape while a sequence is added: the total bound could be raised
