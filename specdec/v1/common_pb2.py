@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"\xaa\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x03\x88\x01\x01\x12=\n\nlogit_bias\x18\t \x03(\x0b\x32).specdec.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x04\x88\x01\x01\x12\x14\n\x0coutput_start\x18\x0b \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\";\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\"V\n\rTokenLogprobs\x12#\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x13.specdec.v1.Logprob\x12 \n\x03top\x18\x02 \x03(\x0b\x32\x13.specdec.v1.Logprob\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xa8\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\x05\x12\x16\n\x0enum_parameters\x18\x08 \x01(\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"\xd6\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x03\x88\x01\x01\x12=\n\nlogit_bias\x18\t \x03(\x0b\x32).specdec.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x04\x88\x01\x01\x12\x14\n\x0coutput_start\x18\x0b \x01(\r\x12*\n\nconstraint\x18\x0c \x01(\x0b\x32\x16.specdec.v1.Constraint\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\xa4\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.specdec.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x15\n\rend_token_ids\x18\x06 \x03(\x05\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\";\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\"V\n\rTokenLogprobs\x12#\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x13.specdec.v1.Logprob\x12 \n\x03top\x18\x02 \x03(\x0b\x32\x13.specdec.v1.Logprob\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xa8\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\x05\x12\x16\n\x0enum_parameters\x18\x08 \x01(\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=466
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=347
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=395
-  _globals['_LOGPROB']._serialized_start=468
-  _globals['_LOGPROB']._serialized_end=527
-  _globals['_TOKENLOGPROBS']._serialized_start=529
-  _globals['_TOKENLOGPROBS']._serialized_end=615
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=617
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=671
-  _globals['_MODELINFO']._serialized_start=674
-  _globals['_MODELINFO']._serialized_end=842
+  _globals['_SAMPLINGPARAMS']._serialized_end=510
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=391
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=439
+  _globals['_CONSTRAINT']._serialized_start=513
+  _globals['_CONSTRAINT']._serialized_end=677
+  _globals['_CHOICES']._serialized_start=679
+  _globals['_CHOICES']._serialized_end=705
+  _globals['_LOGPROB']._serialized_start=707
+  _globals['_LOGPROB']._serialized_end=766
+  _globals['_TOKENLOGPROBS']._serialized_start=768
+  _globals['_TOKENLOGPROBS']._serialized_end=854
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=856
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=910
+  _globals['_MODELINFO']._serialized_start=913
+  _globals['_MODELINFO']._serialized_end=1081
 # @@protoc_insertion_point(module_scope)

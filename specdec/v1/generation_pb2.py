@@ -25,51 +25,55 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecdec/v1/generation.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xfa\x01\n\x11SpeculationParams\x12\'\n\x06method\x18\x01 \x01(\x0e\x32\x17.specdec.v1.DraftMethod\x12#\n\x16num_speculative_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x10\n\x08\x61\x64\x61ptive\x18\x03 \x01(\x08\x12\x14\n\x07overlap\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x1c\n\x14min_draft_confidence\x18\x05 \x01(\x02\x12\x19\n\x0c\x64\x65\x63ode_steps\x18\x06 \x01(\x05H\x02\x88\x01\x01\x42\x19\n\x17_num_speculative_tokensB\n\n\x08_overlapB\x0f\n\r_decode_steps\"\xfa\x02\n\x0fGenerationInput\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.specdec.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x32\n\x0bspeculation\x18\x08 \x01(\x0b\x32\x1d.specdec.v1.SpeculationParams\x12\x12\n\nsession_id\x18\t \x01(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x13\n\x0b\x65nd_session\x18\x0b \x01(\x08\x42\x07\n\x05inputB\x11\n\x0f_max_new_tokens\"=\n\x0fGenerateRequest\x12*\n\x05input\x18\x01 \x01(\x0b\x32\x1b.specdec.v1.GenerationInput\"C\n\x15GenerateStreamRequest\x12*\n\x05input\x18\x01 \x01(\x0b\x32\x1b.specdec.v1.GenerationInput\"Q\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x16\n\x0esession_tokens\x18\x03 \x01(\x05\"\xb4\x02\n\x10SpeculationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x01\x12\x0f\n\x07wall_ms\x18\x06 \x01(\x01\x12\x10\n\x08\x64raft_ms\x18\x07 \x01(\x01\x12\x11\n\tverify_ms\x18\x08 \x01(\x01\x12\x13\n\x0boverhead_ms\x18\t \x01(\x01\x12\x0e\n\x06last_k\x18\n \x01(\x05\x12\x1d\n\x15max_verify_batch_size\x18\x0b \x01(\x05\x12\x14\n\x0cmodel_rounds\x18\x0c \x01(\x05\x12\x15\n\rsuffix_rounds\x18\r \x01(\x05\x12\x0f\n\x07\x64\x65\x63oded\x18\x0e \x01(\x05\"\xf4\x01\n\x10GenerateResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.specdec.v1.Usage\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs\"\xfa\x01\n\x16GenerateStreamResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.specdec.v1.Usage\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xe0\x01\n\x12GetSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\x0f\n\x07version\x18\x07 \x01(\x03\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x14\n\x12\x45ndSessionResponse\"\x17\n\x15\x44\x65scribeModelsRequest\"\xc0\x01\n\x16\x44\x65scribeModelsResponse\x12%\n\x06target\x18\x01 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\x12$\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\x12\x11\n\ttokenizer\x18\x03 \x01(\t\x12&\n\x1e\x64\x65\x66\x61ult_num_speculative_tokens\x18\x04 \x01(\x05\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\x05 \x01(\x05*\x8b\x01\n\x0b\x44raftMethod\x12\x1c\n\x18\x44RAFT_METHOD_UNSPECIFIED\x10\x00\x12\x16\n\x12\x44RAFT_METHOD_MODEL\x10\x01\x12\x16\n\x12\x44RAFT_METHOD_NGRAM\x10\x02\x12\x15\n\x11\x44RAFT_METHOD_NONE\x10\x03\x12\x17\n\x13\x44RAFT_METHOD_SUFFIX\x10\x04*\x9f\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x04\x32\xa1\x03\n\nGeneration\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12Y\n\x0eGenerateStream\x12!.specdec.v1.GenerateStreamRequest\x1a\".specdec.v1.GenerateStreamResponse0\x01\x12K\n\nGetSession\x12\x1d.specdec.v1.GetSessionRequest\x1a\x1e.specdec.v1.GetSessionResponse\x12K\n\nEndSession\x12\x1d.specdec.v1.EndSessionRequest\x1a\x1e.specdec.v1.EndSessionResponse\x12W\n\x0e\x44\x65scribeModels\x12!.specdec.v1.DescribeModelsRequest\x1a\".specdec.v1.DescribeModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecdec/v1/generation.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"z\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.specdec.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xfa\x01\n\x11SpeculationParams\x12\'\n\x06method\x18\x01 \x01(\x0e\x32\x17.specdec.v1.DraftMethod\x12#\n\x16num_speculative_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x10\n\x08\x61\x64\x61ptive\x18\x03 \x01(\x08\x12\x14\n\x07overlap\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x1c\n\x14min_draft_confidence\x18\x05 \x01(\x02\x12\x19\n\x0c\x64\x65\x63ode_steps\x18\x06 \x01(\x05H\x02\x88\x01\x01\x42\x19\n\x17_num_speculative_tokensB\n\n\x08_overlapB\x0f\n\r_decode_steps\"\x9b\x03\n\x0fGenerationInput\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.specdec.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x32\n\x0bspeculation\x18\x08 \x01(\x0b\x32\x1d.specdec.v1.SpeculationParams\x12\x12\n\nsession_id\x18\t \x01(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x13\n\x0b\x65nd_session\x18\x0b \x01(\x08\x12\x1f\n\x05tools\x18\x0c \x03(\x0b\x32\x10.specdec.v1.ToolB\x07\n\x05inputB\x11\n\x0f_max_new_tokens\"=\n\x0fGenerateRequest\x12*\n\x05input\x18\x01 \x01(\x0b\x32\x1b.specdec.v1.GenerationInput\"C\n\x15GenerateStreamRequest\x12*\n\x05input\x18\x01 \x01(\x0b\x32\x1b.specdec.v1.GenerationInput\"Q\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x16\n\x0esession_tokens\x18\x03 \x01(\x05\"\xb4\x02\n\x10SpeculationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x05 \x01(\x01\x12\x0f\n\x07wall_ms\x18\x06 \x01(\x01\x12\x10\n\x08\x64raft_ms\x18\x07 \x01(\x01\x12\x11\n\tverify_ms\x18\x08 \x01(\x01\x12\x13\n\x0boverhead_ms\x18\t \x01(\x01\x12\x0e\n\x06last_k\x18\n \x01(\x05\x12\x1d\n\x15max_verify_batch_size\x18\x0b \x01(\x05\x12\x14\n\x0cmodel_rounds\x18\x0c \x01(\x05\x12\x15\n\rsuffix_rounds\x18\r \x01(\x05\x12\x0f\n\x07\x64\x65\x63oded\x18\x0e \x01(\x05\"\xf4\x01\n\x10GenerateResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.specdec.v1.Usage\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs\"\xfa\x01\n\x16GenerateStreamResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.specdec.v1.Usage\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xe0\x01\n\x12GetSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\x0f\n\x07version\x18\x07 \x01(\x03\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x14\n\x12\x45ndSessionResponse\"\x17\n\x15\x44\x65scribeModelsRequest\"\xc0\x01\n\x16\x44\x65scribeModelsResponse\x12%\n\x06target\x18\x01 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\x12$\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\x12\x11\n\ttokenizer\x18\x03 \x01(\t\x12&\n\x1e\x64\x65\x66\x61ult_num_speculative_tokens\x18\x04 \x01(\x05\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\x05 \x01(\x05*\x8b\x01\n\x0b\x44raftMethod\x12\x1c\n\x18\x44RAFT_METHOD_UNSPECIFIED\x10\x00\x12\x16\n\x12\x44RAFT_METHOD_MODEL\x10\x01\x12\x16\n\x12\x44RAFT_METHOD_NGRAM\x10\x02\x12\x15\n\x11\x44RAFT_METHOD_NONE\x10\x03\x12\x17\n\x13\x44RAFT_METHOD_SUFFIX\x10\x04*\x9f\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x04\x32\xa1\x03\n\nGeneration\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12Y\n\x0eGenerateStream\x12!.specdec.v1.GenerateStreamRequest\x1a\".specdec.v1.GenerateStreamResponse0\x01\x12K\n\nGetSession\x12\x1d.specdec.v1.GetSessionRequest\x1a\x1e.specdec.v1.GetSessionResponse\x12K\n\nEndSession\x12\x1d.specdec.v1.EndSessionRequest\x1a\x1e.specdec.v1.EndSessionResponse\x12W\n\x0e\x44\x65scribeModels\x12!.specdec.v1.DescribeModelsRequest\x1a\".specdec.v1.DescribeModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DRAFTMETHOD']._serialized_start=2410
-  _globals['_DRAFTMETHOD']._serialized_end=2549
-  _globals['_FINISHREASON']._serialized_start=2552
-  _globals['_FINISHREASON']._serialized_end=2711
+  _globals['_DRAFTMETHOD']._serialized_start=2641
+  _globals['_DRAFTMETHOD']._serialized_end=2780
+  _globals['_FINISHREASON']._serialized_start=2783
+  _globals['_FINISHREASON']._serialized_end=2942
   _globals['_CHATMESSAGE']._serialized_start=68
-  _globals['_CHATMESSAGE']._serialized_end=112
-  _globals['_CHATMESSAGES']._serialized_start=114
-  _globals['_CHATMESSAGES']._serialized_end=171
-  _globals['_TOKENIDS']._serialized_start=173
-  _globals['_TOKENIDS']._serialized_end=196
-  _globals['_SPECULATIONPARAMS']._serialized_start=199
-  _globals['_SPECULATIONPARAMS']._serialized_end=449
-  _globals['_GENERATIONINPUT']._serialized_start=452
-  _globals['_GENERATIONINPUT']._serialized_end=830
-  _globals['_GENERATEREQUEST']._serialized_start=832
-  _globals['_GENERATEREQUEST']._serialized_end=893
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=895
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=962
-  _globals['_USAGE']._serialized_start=964
-  _globals['_USAGE']._serialized_end=1045
-  _globals['_SPECULATIONSTATS']._serialized_start=1048
-  _globals['_SPECULATIONSTATS']._serialized_end=1356
-  _globals['_GENERATERESPONSE']._serialized_start=1359
-  _globals['_GENERATERESPONSE']._serialized_end=1603
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1606
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1856
-  _globals['_GETSESSIONREQUEST']._serialized_start=1858
-  _globals['_GETSESSIONREQUEST']._serialized_end=1897
-  _globals['_GETSESSIONRESPONSE']._serialized_start=1900
-  _globals['_GETSESSIONRESPONSE']._serialized_end=2124
-  _globals['_ENDSESSIONREQUEST']._serialized_start=2126
-  _globals['_ENDSESSIONREQUEST']._serialized_end=2165
-  _globals['_ENDSESSIONRESPONSE']._serialized_start=2167
-  _globals['_ENDSESSIONRESPONSE']._serialized_end=2187
-  _globals['_DESCRIBEMODELSREQUEST']._serialized_start=2189
-  _globals['_DESCRIBEMODELSREQUEST']._serialized_end=2212
-  _globals['_DESCRIBEMODELSRESPONSE']._serialized_start=2215
-  _globals['_DESCRIBEMODELSRESPONSE']._serialized_end=2407
-  _globals['_GENERATION']._serialized_start=2714
-  _globals['_GENERATION']._serialized_end=3131
+  _globals['_CHATMESSAGE']._serialized_end=190
+  _globals['_TOOLCALL']._serialized_start=192
+  _globals['_TOOLCALL']._serialized_end=247
+  _globals['_TOOL']._serialized_start=249
+  _globals['_TOOL']._serialized_end=310
+  _globals['_CHATMESSAGES']._serialized_start=312
+  _globals['_CHATMESSAGES']._serialized_end=369
+  _globals['_TOKENIDS']._serialized_start=371
+  _globals['_TOKENIDS']._serialized_end=394
+  _globals['_SPECULATIONPARAMS']._serialized_start=397
+  _globals['_SPECULATIONPARAMS']._serialized_end=647
+  _globals['_GENERATIONINPUT']._serialized_start=650
+  _globals['_GENERATIONINPUT']._serialized_end=1061
+  _globals['_GENERATEREQUEST']._serialized_start=1063
+  _globals['_GENERATEREQUEST']._serialized_end=1124
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=1126
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=1193
+  _globals['_USAGE']._serialized_start=1195
+  _globals['_USAGE']._serialized_end=1276
+  _globals['_SPECULATIONSTATS']._serialized_start=1279
+  _globals['_SPECULATIONSTATS']._serialized_end=1587
+  _globals['_GENERATERESPONSE']._serialized_start=1590
+  _globals['_GENERATERESPONSE']._serialized_end=1834
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1837
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2087
+  _globals['_GETSESSIONREQUEST']._serialized_start=2089
+  _globals['_GETSESSIONREQUEST']._serialized_end=2128
+  _globals['_GETSESSIONRESPONSE']._serialized_start=2131
+  _globals['_GETSESSIONRESPONSE']._serialized_end=2355
+  _globals['_ENDSESSIONREQUEST']._serialized_start=2357
+  _globals['_ENDSESSIONREQUEST']._serialized_end=2396
+  _globals['_ENDSESSIONRESPONSE']._serialized_start=2398
+  _globals['_ENDSESSIONRESPONSE']._serialized_end=2418
+  _globals['_DESCRIBEMODELSREQUEST']._serialized_start=2420
+  _globals['_DESCRIBEMODELSREQUEST']._serialized_end=2443
+  _globals['_DESCRIBEMODELSRESPONSE']._serialized_start=2446
+  _globals['_DESCRIBEMODELSRESPONSE']._serialized_end=2638
+  _globals['_GENERATION']._serialized_start=2945
+  _globals['_GENERATION']._serialized_end=3362
 # @@protoc_insertion_point(module_scope)
