@@ -26,6 +26,7 @@ from specdec.v1 import generation_pb2_grpc
 from specdec_core.errors import FailedPrecondition, Unavailable
 from specdec_core.serving.admission import Lanes
 from specdec_core.logs import setup_logging
+from specdec_core.engine.grammar import Grammars
 from specdec_core.engine.models import load_tokenizer
 from specdec_core.serving.security import BearerTokenInterceptor
 from specdec_core.serving.server import create_server, serve
@@ -50,12 +51,12 @@ def worker_pools(cfg: CoordinatorConfig) -> tuple[Routed, Routed | None]:
     return target, draft
 
 
-def suffix_proposer(cfg: CoordinatorConfig, client: redis.Redis) -> SuffixProposer:
+def suffix_proposer(cfg: CoordinatorConfig, client: redis.Redis, grammars: Grammars | None = None) -> SuffixProposer:
     """Suffix decoding over the session and its tenant's finished requests (every replica's, with
     --suffix-share)."""
     index = SuffixIndex(cfg.suffix_max_requests, cfg.suffix_max_tokens, cfg.suffix_max_total_tokens)
     share = SuffixShare(client, index, ttl_s=cfg.session_ttl_s).start() if cfg.suffix_share else None
-    return SuffixProposer(index, publish=share.publish if share else None)
+    return SuffixProposer(index, publish=share.publish if share else None, grammars=grammars)
 
 
 def _draft_info(draft: Routed, wait_s: float):
@@ -89,9 +90,11 @@ def main(argv: list[str] | None = None) -> None:
     store = SessionStore(connect_redis(cfg.redis_url, cfg.redis_tls, cfg.redis_retry_s), ttl_seconds=cfg.session_ttl_s,
                          wait_replicas=cfg.redis_wait_replicas, wait_timeout_ms=cfg.redis_wait_timeout_ms,
                          max_sessions_per_tenant=cfg.tenant_max_sessions, request_ttl_seconds=cfg.request_ttl_s)
-    generation = Generation(store, codec, draft, suffix_proposer(cfg, store.redis), target, limits,
+    grammars = Grammars(lambda: codec.tokenizer, target_info.vocab_size)
+    generation = Generation(store, codec, draft, suffix_proposer(cfg, store.redis, grammars), target, limits,
                             RequestQuota(cfg.tenant_max_requests), Prior.for_models(
-                                target_info.num_parameters, draft_info.num_parameters if draft_info else 0))
+                                target_info.num_parameters, draft_info.num_parameters if draft_info else 0),
+                            grammars)
     describe = pb.DescribeModelsResponse(
         target=target_info, draft=draft_info, tokenizer=cfg.tokenizer,
         default_num_speculative_tokens=cfg.num_speculative_tokens, default_max_new_tokens=cfg.max_new_tokens,

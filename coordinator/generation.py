@@ -45,15 +45,18 @@ from coordinator.validation import validate_request
 from specdec_core import metrics
 from specdec_core.errors import Aborted, Cancelled, FailedPrecondition, InvalidArgument, ResourceExhausted, SpecdecError
 from specdec_core.logs import log_context
-from specdec_core.engine.sampling import sampling_to_dict
+from specdec_core.engine.grammar import Grammars, check_in
+from specdec_core.engine.sampling import SamplingConfig, sampling_to_dict
 
 log = logging.getLogger(__name__)
 
 
 class Generation:
     def __init__(self, store: SessionStore, codec: TextCodec, proposer: Proposer | None, suffix: SuffixProposer,
-                 verifier: Verifier, limits: Limits, quota: RequestQuota | None = None, prior: Prior = Prior()):
+                 verifier: Verifier, limits: Limits, quota: RequestQuota | None = None, prior: Prior = Prior(),
+                 grammars: Grammars | None = None):
         self.store = store
+        self.grammars = grammars  # structured outputs: compiled here to check them, and to cut suffix drafts
         self.quota = quota or RequestQuota()
         self._overlap = ThreadPoolExecutor(max_workers=limits.max_concurrent_requests, thread_name_prefix="overlap")
         self.codec = codec
@@ -75,6 +78,7 @@ class Generation:
         which refuses the excess at once, and per tenant by the quota: the coordinator has no queue
         of its own; the workers refuse a call whose deadline their queue would miss."""
         validate_request(req, self.limits, self.codec)
+        check_in(self.grammars, req.sampling.constraint)
         with self.quota.held(tenant):
             # A retry of a new-session request finds its session only through its record; any other
             # request reads the record once, under the lease (below).
@@ -124,7 +128,7 @@ class Generation:
         started = time.perf_counter()
         start, input_ids, max_new, record = self._begin(req, session, record)
         output_start = start + len(input_ids)
-        ctx = RequestContext(session.session_id, replace(req.sampling, output_start=output_start), session.seed,
+        ctx = RequestContext(session.session_id, self._sampling(req, output_start), session.seed,
                              session.tenant, session.routes, deadline, min_draft_confidence=req.min_draft_confidence)
         stop = StopRule(frozenset(self.codec.eos_ids | set(req.stop_token_ids)), max_new, self.limits.max_context)
         out = OutputText(self.codec, req.stop)
@@ -225,6 +229,13 @@ class Generation:
         metrics.ROUND_SECONDS.labels("draft").observe(rnd.draft_ms / 1e3)
         metrics.ROUND_SECONDS.labels("verify").observe(rnd.verify_ms / 1e3)
 
+    def _sampling(self, req: GenerationRequest, output_start: int) -> SamplingConfig:
+        """The request's sampling as the workers get it: where its output starts, and which tokens end
+        a constrained output."""
+        c = req.sampling.constraint
+        c = c and replace(c, end_ids=tuple(sorted(self.codec.eos_ids)))
+        return replace(req.sampling, output_start=output_start, constraint=c)
+
     def _drafting(self, req: GenerationRequest, ctx: RequestContext, stop_ids: frozenset[int]) -> Drafting:
         overlap = self.limits.overlap if req.overlap is None else req.overlap
         decode_steps = self.limits.decode_steps if req.decode_steps is None else req.decode_steps
@@ -232,7 +243,8 @@ class Generation:
         greedy = req.sampling.is_greedy  # a sampled request looks up its own tokens alone (SuffixProposer.propose)
 
         def lookup(ids: list[int], k: int) -> list[int]:
-            return self.suffix.continuation(ids, k, ctx.tenant, own_only=not greedy)
+            return self.suffix.allowed(ctx.sampling, ids, self.suffix.continuation(ids, k, ctx.tenant,
+                                                                                   own_only=not greedy))
 
         policy = self._policy(req, lookup, overlap, decode_steps)
         fixed = fixed_choice(req, self.limits.default_k, self.proposer is not None)
@@ -264,4 +276,4 @@ class Generation:
             return list(req.token_ids)
         if req.prompt is not None:
             return self.codec.encode_prompt(req.prompt, is_first_turn=not session.token_ids)
-        return self.codec.encode_chat(session.token_ids, session.messages, req.messages)
+        return self.codec.encode_chat(session.token_ids, session.messages, req.messages, req.tools)

@@ -58,6 +58,8 @@ from dataclasses import dataclass, field
 from coordinator.loop import Draft
 from coordinator.request import DEFAULT_TENANT, RequestContext
 from specdec_core import metrics
+from specdec_core.engine.grammar import Grammars
+from specdec_core.engine.sampling import SamplingConfig
 
 WIDTH = 4  # bytes a token on a tape (array typecode 'I')
 SEP = 0xFFFFFFFF  # between sequences on a tape: never a token, so never matched nor proposed
@@ -227,11 +229,12 @@ class SuffixProposer:
 
     def __init__(self, index: SuffixIndex | None = None, max_match: int = 32, min_match: int = 2,
                  alpha: float = 2.0, min_prob: float = 0.2, max_occurrences: int = 16,
-                 publish: Callable[[str, list[int]], None] | None = None):
+                 publish: Callable[[str, list[int]], None] | None = None, grammars: Grammars | None = None):
         if not 1 <= min_match <= max_match or max_occurrences < 1 or alpha <= 0:
             raise ValueError("need 1 <= min_match <= max_match, max_occurrences >= 1 and alpha > 0")
         self.index = index if index is not None else SuffixIndex()
         self.publish = publish  # tells the other coordinator replicas (coordinator/suffix_share.py)
+        self.grammars = grammars  # cuts a constrained request's proposals where its constraint forbids
         self.max_match, self.min_match = max_match, min_match
         self.alpha, self.min_prob, self.max_occurrences = alpha, min_prob, max_occurrences
         self.rungs = tuple(sorted({min_match, *(r for r in MATCH_RUNGS if min_match < r <= max_match)}))
@@ -241,8 +244,15 @@ class SuffixProposer:
         session alone, so that its seed gives the same tokens whatever else has finished (which
         positions were drafted decides which keyed draws make a sampled token)."""
         tokens = self.continuation(committed_ids, num_tokens, ctx.tenant, own_only=not ctx.sampling.is_greedy)
+        tokens = self.allowed(ctx.sampling, committed_ids, tokens)
         dists = [] if ctx.sampling.is_greedy else [([t], [1.0]) for t in tokens]
         return Draft(tokens, dists, from_worker=False)
+
+    def allowed(self, sampling: SamplingConfig, ids: list[int], tokens: list[int]) -> list[int]:
+        """tokens, cut at the first one a constrained request's constraint forbids after ids."""
+        if sampling.constraint is None or not tokens or self.grammars is None:
+            return tokens
+        return tokens[:self.grammars.allowed_prefix(sampling.constraint, ids[sampling.output_start:], tokens)]
 
     def continuation(self, ids: list[int], num_tokens: int, tenant: str = DEFAULT_TENANT, own_only: bool = False
                      ) -> list[int]:

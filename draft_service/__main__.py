@@ -9,7 +9,9 @@ from draft_service.config import DraftConfig
 from draft_service.proposer import ModelProposer
 from draft_service.servicer import DraftServicer
 from specdec.v1 import draft_pb2, draft_pb2_grpc
+from specdec_core.engine.grammar import Grammars
 from specdec_core.engine.kvcache import SessionCaches
+from specdec_core.engine.models import load_tokenizer
 from specdec_core.logs import setup_logging
 from specdec_core.serving.admission import Lanes
 from specdec_core.serving.kvstore import open_tier
@@ -57,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     caches = SessionCaches(backend, role="draft", tier=open_tier(cfg.kv_store, backend, model_path(cfg), "draft"),
                            share_prefixes=cfg.kv_store.prefix_sharing)
     proposer = ModelProposer(caches, backend.max_context, cfg.sparse_top, max_queue=cfg.max_queue,
-                             prefill_chunk=cfg.prefill_chunk)
+                             prefill_chunk=cfg.prefill_chunk, grammars=Grammars(
+                                 lambda: load_tokenizer(cfg.model, cfg.engine.cache_dir), backend.vocab_size).warm())
     service = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
     server = create_server(Lanes(frozenset({f"/{service}/Propose"}), work=cfg.max_queue))
     draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(proposer, cfg.model), server)

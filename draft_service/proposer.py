@@ -25,6 +25,7 @@ import torch
 
 from specdec_core import metrics
 from specdec_core.engine.batching import AGAIN, BatchQueue
+from specdec_core.engine.grammar import Grammars, check_in
 from specdec_core.engine.kvcache import CachedSequence, SessionCaches
 from specdec_core.engine.sampling import (
     Purpose,
@@ -78,8 +79,9 @@ class _Drafting:
 
 class ModelProposer:
     def __init__(self, caches: SessionCaches, max_context: int, sparse_top: int = 64, window_s: float = 0.001,
-                 max_batch: int = 32, max_queue: int = 64, prefill_chunk: int = 0):
+                 max_batch: int = 32, max_queue: int = 64, prefill_chunk: int = 0, grammars: Grammars | None = None):
         self.caches = caches
+        self.grammars = grammars  # structured outputs' constraints (None: constrained calls are refused)
         self.prefill_chunk = prefill_chunk  # most uncached tokens of a session per batch (0: no limit)
         self.vocab_size = caches.backend.vocab_size
         self.max_context = max_context
@@ -145,7 +147,8 @@ class ModelProposer:
             return None
         position = len(d.task.committed_ids) + len(d.token_ids)
         context = d.task.committed_ids + d.token_ids if d.task.sampling.adjusts_logits else ()
-        token, confidence, dist = self._choose(adjust_logits(logits[None], d.task.sampling, context)[0], d.task, position)
+        logits = adjust_logits(logits[None], d.task.sampling, context, self.grammars)[0]
+        token, confidence, dist = self._choose(logits, d.task, position)
         if d.token_ids and confidence < d.task.min_confidence:
             return None
         d.token_ids.append(token)
@@ -176,4 +179,5 @@ class ModelProposer:
         if task.num_tokens < 1:
             raise InvalidArgument("num_tokens", f"must be >= 1, got {task.num_tokens}")
         validate_sampling(task.sampling, vocab_size=self.vocab_size)
+        check_in(self.grammars, task.sampling.constraint)
         check_token_ids("committed_ids", task.committed_ids, self.vocab_size)

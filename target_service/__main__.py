@@ -16,7 +16,8 @@ from specdec.v1 import target_pb2, target_pb2_grpc
 from specdec_core.engine.batched_backend import BatchedBackend
 from specdec_core.engine.hf_backend import HFBackend
 from specdec_core.engine.kvcache import SessionCaches
-from specdec_core.engine.models import load_causal_lm, resolve_model
+from specdec_core.engine.grammar import Grammars
+from specdec_core.engine.models import load_causal_lm, load_tokenizer, resolve_model
 from specdec_core.logs import setup_logging
 from specdec_core.serving.admission import Lanes
 from specdec_core.serving.kvstore import open_tier
@@ -84,7 +85,8 @@ def run_server(cfg: TargetConfig, backend, tier=None) -> None:
     if cfg.solo_threads and cfg.threads and cfg.tensor_parallel_size == 1:
         cores = CoreShare(cfg.threads, cfg.solo_threads)
     verifier = BatchVerifier(caches, backend.max_context, cfg.batch_window_ms / 1e3, cfg.max_batch, cfg.max_queue,
-                             cores, cfg.prefill_chunk, cfg.prefill_stall)
+                             cores, cfg.prefill_chunk, cfg.prefill_stall, grammars=Grammars(
+                                 lambda: load_tokenizer(cfg.model, cfg.engine.cache_dir), backend.vocab_size).warm())
     service = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
     server = create_server(Lanes(frozenset({f"/{service}/Verify"}), work=cfg.max_queue))
     target_pb2_grpc.add_TargetServicer_to_server(TargetServicer(verifier, cfg.model, cfg.tensor_parallel_size), server)

@@ -28,6 +28,7 @@ import torch
 
 from specdec_core import metrics
 from specdec_core.engine.batching import AGAIN, Again, BatchQueue
+from specdec_core.engine.grammar import Grammars, check_in
 from specdec_core.engine.kvcache import CachedSequence, SessionCaches
 from specdec_core.engine.sampling import (
     Purpose,
@@ -187,8 +188,10 @@ class BatchVerifier:
 
     def __init__(self, caches: SessionCaches, max_context: int, window_s: float = 0.001, max_batch: int = 32,
                  max_queue: int = 64, cores: CoreShare | None = None, prefill_chunk: int = 0,
-                 prefill_stall: float = 0.0, decoding_s: float = DECODING_S, clock: Callable[[], float] = time.monotonic):
+                 prefill_stall: float = 0.0, decoding_s: float = DECODING_S, clock: Callable[[], float] = time.monotonic,
+                 grammars: Grammars | None = None):
         self.caches = caches
+        self.grammars = grammars  # structured outputs' constraints (None: constrained calls are refused)
         self.prefill = PrefillBudget(prefill_chunk, prefill_stall)  # chunk 0: whole prompts in one pass
         self.decoding_s, self.clock = decoding_s, clock
         self._decoding: dict[str, float] = {}  # session -> when a pass last carried its round
@@ -329,12 +332,12 @@ class BatchVerifier:
         draft_ids = torch.tensor(task.draft_ids, dtype=torch.long)  # [K]
         context = task.committed_ids + task.draft_ids if cfg.adjusts_logits else ()
         if cfg.is_greedy:
-            logits = adjust_logits(logits, cfg, context)
+            logits = adjust_logits(logits, cfg, context, self.grammars)
             num_accepted, token = verify_greedy(logits.argmax(dim=-1), draft_ids)
             p = None
         else:
             k = len(task.draft_ids)
-            p = process_logits(logits, cfg, context)  # [K+1, V]
+            p = process_logits(logits, cfg, context, self.grammars)  # [K+1, V]
             q = torch.stack([dense_from_sparse(ids, probs, self.vocab_size) for ids, probs in task.draft_dists]) if k else p[:0]
             accept_draws = [keyed_uniform(task.seed, n + i, Purpose.ACCEPT) for i in range(k)]
             sample_draws = [keyed_uniform(task.seed, n + i, Purpose.TARGET) for i in range(k + 1)]
@@ -351,6 +354,7 @@ class BatchVerifier:
         if not task.committed_ids:
             raise InvalidArgument("committed_ids", "must not be empty")
         validate_sampling(task.sampling, vocab_size=self.vocab_size)
+        check_in(self.grammars, task.sampling.constraint)
         check_token_ids("committed_ids", task.committed_ids, self.vocab_size)
         check_token_ids("draft_ids", task.draft_ids, self.vocab_size)
         check_token_ids("stop_token_ids", sorted(task.stop_ids), self.vocab_size)

@@ -4,7 +4,7 @@ Processing order: the repetition penalty (transformers' and vLLM's: every token 
 context, input or output, has its logit divided by it when positive and multiplied by it when
 negative), then frequency and presence penalties (OpenAI's: each token generated so far by this
 request lowers its logit by frequency_penalty per occurrence plus presence_penalty once), then
-logit bias; then temperature, top-k, top-p and min-p (in transformers' order). Penalties depend on
+logit bias, then the structured-output constraint's mask (`grammar`: tokens it forbids get -inf); then temperature, top-k, top-p and min-p (in transformers' order). Penalties depend on
 the tokens before each position, the draft tokens earlier in the same block included, so draft
 and target each apply them per position of the block. Everything is done in float64 so that the
 probabilities the draft sends and the ones the target recomputes agree bit for bit when they come
@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec_core.engine.grammar import Constraint, Grammars, check_constraint
+
 
 MAX_LOGPROBS = 20  # most alternatives reported per token (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 1024  # most biased tokens per request
@@ -44,6 +46,7 @@ class SamplingConfig:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
     logprobs: int | None = None  # report the chosen token's log-probability and this many alternatives
     output_start: int = 0  # position of the request's first generated token: what penalties count from
+    constraint: Constraint | None = None  # structured output: what the output must match
 
     @property
     def is_greedy(self) -> bool:
@@ -51,9 +54,9 @@ class SamplingConfig:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether logits depend on the context (penalties) or are biased before anything else."""
+        """Whether logits depend on the context (penalties, a constraint) or are biased before anything else."""
         return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
-            or self.repetition_penalty != 1.0
+            or self.repetition_penalty != 1.0 or self.constraint is not None
 
 
 GREEDY = SamplingConfig()
@@ -62,16 +65,20 @@ GREEDY = SamplingConfig()
 def sampling_to_dict(cfg: SamplingConfig) -> dict:
     """What a session records of a request's sampling (JSON-ready; `sampling_from_dict` reads it)."""
     d = {name: getattr(cfg, name) for name in cfg.__dataclass_fields__ if name != "output_start"}
-    return {**d, "logit_bias": [list(pair) for pair in cfg.logit_bias]}
+    return {**d, "logit_bias": [list(pair) for pair in cfg.logit_bias],
+            "constraint": cfg.constraint.to_dict() if cfg.constraint else None}
 
 
 def sampling_from_dict(d: dict) -> SamplingConfig:
     """Records written before a field existed get its default."""
-    return SamplingConfig(**{**d, "logit_bias": tuple(tuple(pair) for pair in d.get("logit_bias", ()))})
+    constraint = Constraint.from_dict(d["constraint"]) if d.get("constraint") else None
+    return SamplingConfig(**{**d, "logit_bias": tuple(tuple(pair) for pair in d.get("logit_bias", ())),
+                             "constraint": constraint})
 
 
-def adjust_logits(logits: torch.Tensor, cfg: SamplingConfig, tokens: Sequence[int] = ()) -> torch.Tensor:
-    """Penalties and logit bias. Row j of logits [N, V] scores the token after
+def adjust_logits(logits: torch.Tensor, cfg: SamplingConfig, tokens: Sequence[int] = (),
+                  grammars: Grammars | None = None) -> torch.Tensor:
+    """Penalties, logit bias and the constraint's mask (compiled by `grammars`). Row j of logits [N, V] scores the token after
     tokens[:len(tokens) - N + 1 + j]: the last row follows all of `tokens`, and each earlier row
     one token fewer (a verify block's rows follow the committed tokens plus 0..K draft tokens).
     Returns logits unchanged (same tensor) when the config adjusts nothing, float64 otherwise."""
@@ -106,13 +113,18 @@ def adjust_logits(logits: torch.Tensor, cfg: SamplingConfig, tokens: Sequence[in
     if cfg.logit_bias:
         bias_ids = torch.tensor([i for i, _ in cfg.logit_bias if i < vocab], dtype=torch.long)
         x[:, bias_ids] += torch.tensor([b for i, b in cfg.logit_bias if i < vocab], dtype=torch.float64)
+    if cfg.constraint is not None:
+        if grammars is None:
+            raise ValueError("a constrained request needs the process's Grammars")
+        x.masked_fill_(~grammars.masks(cfg.constraint, tokens, rows, cfg.output_start), -math.inf)
     return x
 
 
-def process_logits(logits: torch.Tensor, cfg: SamplingConfig, tokens: Sequence[int] = ()) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, cfg: SamplingConfig, tokens: Sequence[int] = (),
+                   grammars: Grammars | None = None) -> torch.Tensor:
     """Turn raw logits [N, V] into sampling probabilities [N, V] (float64), rows summing to 1.
-    Rows and `tokens` as in `adjust_logits` (needed only when the config has penalties)."""
-    return warp(adjust_logits(logits, cfg, tokens), cfg)
+    Rows, `tokens` and `grammars` as in `adjust_logits` (needed only when the config adjusts logits)."""
+    return warp(adjust_logits(logits, cfg, tokens, grammars), cfg)
 
 
 def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
@@ -248,3 +260,5 @@ def validate_sampling(cfg: SamplingConfig, field: str = "sampling", vocab_size: 
         raise InvalidArgument(f"{field}.logprobs", f"must be in 0..{MAX_LOGPROBS}, got {cfg.logprobs}")
     if cfg.output_start < 0:
         raise InvalidArgument(f"{field}.output_start", f"must be >= 0, got {cfg.output_start}")
+    if cfg.constraint is not None:
+        check_constraint(cfg.constraint)

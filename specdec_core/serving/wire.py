@@ -4,6 +4,9 @@ protobuf)."""
 from __future__ import annotations
 
 from specdec.v1 import common_pb2
+import json
+
+from specdec_core.engine.grammar import Constraint
 from specdec_core.engine.sampling import SamplingConfig, TokenLogprob
 
 
@@ -19,7 +22,28 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingConfig:
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         output_start=msg.output_start,
+        constraint=constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None,
     )
+
+
+def constraint_from_proto(msg: common_pb2.Constraint) -> Constraint | None:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    spec = {"json_object": "", "choice": json.dumps(list(msg.choice.choices))}.get(kind) \
+        if kind in ("json_object", "choice") else getattr(msg, kind)
+    return Constraint(kind, spec, tuple(msg.end_token_ids))
+
+
+def constraint_to_proto(c: Constraint) -> common_pb2.Constraint:
+    msg = common_pb2.Constraint(end_token_ids=list(c.end_ids))
+    if c.kind == "json_object":
+        msg.json_object = True
+    elif c.kind == "choice":
+        msg.choice.choices.extend(c.choices)
+    else:
+        setattr(msg, c.kind, c.spec)
+    return msg
 
 
 def sampling_to_proto(cfg: SamplingConfig, seed: int | None = None) -> common_pb2.SamplingParams:
@@ -31,6 +55,8 @@ def sampling_to_proto(cfg: SamplingConfig, seed: int | None = None) -> common_pb
     )
     if cfg.logprobs is not None:
         msg.logprobs = cfg.logprobs
+    if cfg.constraint is not None:
+        msg.constraint.CopyFrom(constraint_to_proto(cfg.constraint))
     if seed is not None:
         msg.seed = seed
     return msg
