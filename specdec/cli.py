@@ -3,21 +3,24 @@
     specdec demo                      # local stack on the embedded model: a chat and a repetitive request, speedups
     specdec up                        # local stack; Ctrl-C (or SIGTERM, SIGHUP) stops it
     specdec generate "Why is the sky blue?" --address localhost:50050
+    specdec generate "Name a colour." --json-schema '{"type": "object", "properties": {"colour": {"type": "string"}}}'
     specdec coordinator|draft|target --help
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import grpc
 
 from specdec import demo
-from specdec.client import DRAFT_METHODS, Client
+from specdec.client import DRAFT_METHODS, Client, chat_message, tool
 from specdec.terminal import stream_to_terminal
 
 SERVICES = {"coordinator": "coordinator", "draft": "draft_service", "target": "target_service"}
@@ -30,6 +33,19 @@ with the target alone:
     prompts and answers the coordinator's suffix index has seen.
 For each: the speedup, which drafting method the policy chose per round, and whether the two answers
 are token-identical, as greedy decoding requires (exit status 1 if they are not). Then the stack stops."""
+
+
+GENERATE_HELP = """Generate from a running coordinator, streaming the text to stdout and a line of stats to stderr.
+
+A one-shot request ends its session when it has finished; --keep-session keeps it (its id is in the
+stats line), and --session ID continues one (kept, unless --end-session).
+
+examples:
+  specdec generate "Why is the sky blue?" --max-new-tokens 64
+  specdec generate "Is the sky blue?" --choice yes --choice no
+  specdec generate "A user record for Ada." --json-schema user.schema.json
+  specdec generate "What is the weather in Paris?" --tool weather.json --keep-session
+  specdec generate --messages conversation.json --tool weather.json"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,15 +68,54 @@ def parser() -> argparse.ArgumentParser:
     for name, module in SERVICES.items():
         sub.add_parser(name, help=f"run the {name} service (python -m {module}; see `specdec {name} --help`)")
 
-    g = sub.add_parser("generate", help="generate from a running coordinator, streaming to the terminal")
-    g.add_argument("prompt", help="the prompt (sent as a user chat message unless --raw)")
+    g = sub.add_parser("generate", help="generate from a running coordinator, streaming to the terminal",
+                       description=GENERATE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g.add_argument("prompt", nargs="?", help="the prompt (sent as a user chat message unless --raw or --token-ids; "
+                   "with --messages, appended to them as a user message)")
     g.add_argument("--address", default=os.environ.get("SPECDEC_ADDRESS", "localhost:50050"))
     g.add_argument("--token", default=os.environ.get("SPECDEC_TOKEN", ""), help="bearer token (or SPECDEC_TOKEN)")
     g.add_argument("--tls-ca", default=os.environ.get("SPECDEC_TLS_CA", ""), help="CA file: connect with TLS")
+    inp = g.add_argument_group("input")
+    form = inp.add_mutually_exclusive_group()
+    form.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
+    form.add_argument("--token-ids", action="store_true",
+                      help="the prompt is token ids ('1 2 3' or '1,2,3'), sent as they are")
+    form.add_argument("--messages", metavar="FILE_OR_JSON", type=_json_arg,
+                      help="a conversation to send: a JSON list of chat messages (OpenAI's shape, assistant "
+                           "tool_calls and tool messages included), or a file holding one")
+    inp.add_argument("--tool", dest="tools", action="append", default=[], metavar="FILE_OR_JSON", type=_json_arg,
+                     help="a function the model may call (repeatable; a JSON list adds several): OpenAI's "
+                          '{"type": "function", "function": {"name", "description", "parameters"}} or the flat '
+                          '{"name", "description", "parameters"}; JSON text or a file. Chat only')
     _generation_flags(g)
-    g.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
-    g.add_argument("--session", default="", help="continue this session")
-    g.add_argument("--end-session", action="store_true", help="end the session after this request")
+    g.add_argument("--stop-token-id", dest="stop_token_ids", action="append", type=int, default=[], metavar="ID",
+                   help="stop after this token id (repeatable; the model's end-of-sequence tokens always stop)")
+    g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS", type=_logit_bias_arg,
+                   help="add BIAS (in [-100, 100]) to token ID's logit (repeatable)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="after the text, print each token's log-probability and its N most likely alternatives "
+                        "(0..20) to stderr")
+    c = g.add_argument_group("structured output", "constrain the output (at most one of these); the server "
+                             "answers INVALID_ARGUMENT if it does not compile")
+    constraint = c.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="FILE_OR_JSON", type=_json_schema_arg,
+                            help="the output is JSON valid against this JSON schema (JSON text or a file)")
+    constraint.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    constraint.add_argument("--regex", help="the whole output matches this regular expression (Rust regex syntax)")
+    constraint.add_argument("--choice", action="append", metavar="TEXT",
+                            help="the output is exactly one of these strings (repeat: --choice yes --choice no)")
+    constraint.add_argument("--grammar", metavar="FILE_OR_TEXT", type=_text_arg,
+                            help="a context-free grammar the output follows: Lark, or GBNF/EBNF (`name ::= ...` "
+                                 "rules); its text or a file")
+    sess = g.add_argument_group("session")
+    sess.add_argument("--session", default="", help="continue this session")
+    keep = sess.add_mutually_exclusive_group()
+    keep.add_argument("--end-session", dest="end_session", action="store_const", const=True, default=None,
+                      help="end the session when the request has finished (the default without --session)")
+    keep.add_argument("--keep-session", dest="end_session", action="store_const", const=False,
+                      help="keep the session, to continue it with --session (the default with --session)")
+    sess.add_argument("--request-id", default="", help="makes the request idempotent: a retry with the same id "
+                      "appends nothing (default: a fresh id, which the client's own retries reuse)")
     g.add_argument("--quiet", action="store_true", help="print only the text")
     g.set_defaults(func=cmd_generate)
 
@@ -148,12 +203,96 @@ def _gen_kwargs(a: argparse.Namespace) -> dict:
                 decode_steps=a.decode_steps)
 
 
+def _read_arg(value: str) -> str:
+    """FILE_OR_TEXT: a file's contents if value names a file, else value itself."""
+    return Path(value).read_text() if value and os.path.isfile(value) else value
+
+
+def _json_arg(value: str):
+    text = _read_arg(value)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"neither a file nor JSON ({err})") from None
+
+
+def _json_schema_arg(value: str) -> str:
+    text = _read_arg(value)
+    _json_arg(text)  # refused here if it is not JSON, sent as written
+    return text
+
+
+def _text_arg(value: str) -> str:
+    return _read_arg(value)
+
+
+def _logit_bias_arg(value: str) -> tuple[int, float]:
+    token, sep, bias = value.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not ID=BIAS") from None
+
+
+def _request_input(a: argparse.Namespace) -> tuple:
+    """The prompt and the keyword arguments that choose its form."""
+    if a.messages is not None:
+        messages = a.messages["messages"] if isinstance(a.messages, dict) else a.messages
+        messages = [chat_message(m) for m in messages]
+        if a.prompt is not None:
+            messages.append(chat_message({"role": "user", "content": a.prompt}))
+        if not messages:
+            raise SystemExit("specdec generate: error: --messages is empty and there is no prompt")
+        return messages, {}
+    if a.prompt is None:
+        raise SystemExit("specdec generate: error: a prompt (or --messages) is required")
+    if a.token_ids:
+        try:
+            return [int(t) for t in a.prompt.replace(",", " ").split()], {}
+        except ValueError:
+            raise SystemExit(f"specdec generate: error: --token-ids: {a.prompt!r} is not token ids") from None
+    return a.prompt, {"chat": not a.raw}
+
+
+def _request_kwargs(a: argparse.Namespace) -> dict:
+    """Every request field the generate command sets beyond the generation flags it shares with demo."""
+    tools = [t for arg in a.tools for t in (arg if isinstance(arg, list) else [arg])]
+    try:
+        tools = [tool(t) for t in tools]
+    except (ValueError, TypeError, AttributeError) as err:
+        raise SystemExit(f"specdec generate: error: --tool: {err}") from None
+    return dict(session_id=a.session, end_session=not a.session if a.end_session is None else a.end_session,
+                request_id=a.request_id, stop_token_ids=a.stop_token_ids, logit_bias=dict(a.logit_bias),
+                logprobs=a.logprobs, tools=tools, json_schema=a.json_schema, json_object=a.json_object,
+                regex=a.regex, choice=a.choice, grammar=a.grammar)
+
+
+class _KeepLogprobs:
+    """A client whose streams also collect each chunk's log-probabilities."""
+
+    def __init__(self, client: Client):
+        self.client = client
+        self.logprobs: list = []
+
+    def stream(self, prompt, **kwargs):
+        for chunk in self.client.stream(prompt, **kwargs):
+            self.logprobs.extend(chunk.logprobs)
+            yield chunk
+
+
+def _print_logprobs(logprobs: list) -> None:
+    for lp in logprobs:
+        top = "  ".join(f"{t.token!r} {t.logprob:.3f}" for t in lp.top)
+        print(f"{lp.chosen.token!r}\t{lp.chosen.logprob:.4f}" + (f"\t| {top}" if top else ""), file=sys.stderr)
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
+    prompt, form = _request_input(a)
     with Client(a.address, token=a.token, tls_ca=a.tls_ca) as client:
-        stats = stream_to_terminal(client, a.prompt, quiet=a.quiet, chat=not a.raw, session_id=a.session,
-                                   **_gen_kwargs(a))
-        if a.end_session:
-            client.end_session(stats["session_id"])
+        recorder = _KeepLogprobs(client)
+        stream_to_terminal(recorder, prompt, quiet=a.quiet, **form, **_gen_kwargs(a), **_request_kwargs(a))
+    if a.logprobs is not None:
+        _print_logprobs(recorder.logprobs)
     return 0
 
 
