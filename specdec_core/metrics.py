@@ -36,6 +36,10 @@ STORE_ERRORS = Counter("specdec_session_store_errors_total",
                        "session store (Redis) calls that failed: unavailable, full (maxmemory), replicas (WAIT "
                        "short), tenant_cap", ["reason"])
 CACHE_EVICTIONS = Counter("specdec_cache_evictions_total", "sessions evicted from worker KV caches", ["role"])
+GRAMMAR_SECONDS = Counter("specdec_grammar_seconds_total", "time spent on structured-output constraints: "
+                          "masking positions (mask: computing and applying the masks), cutting proposals (cut), "
+                          "compiling (compile)", ["step"])
+GRAMMAR_ROWS = Counter("specdec_grammar_rows_total", "positions masked by a structured-output constraint")
 SUFFIX_SHARED = Counter("specdec_suffix_shared_total", "finished requests the suffix index exchanged with the "
                         "other coordinator replicas through Redis: sent, received, dropped (queue full)",
                         ["direction"])

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from specdec_core import metrics
 from specdec_core.errors import InvalidArgument
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -181,7 +183,7 @@ class Grammars:
     def allowed_prefix(self, c: Constraint, output: Sequence[int], draft: Sequence[int]) -> int:
         """How many of draft's tokens the grammar allows after the committed `output` (the request's
         generated tokens): a proposal is cut there. An end token counts where the output matches."""
-        ends = self._ends(c)
+        ends, started = self._ends(c), time.perf_counter()
         if ends.intersection(output):
             return len(draft)
         key, entry = self._take(c, list(output))
@@ -193,6 +195,7 @@ class Grammars:
             return n
         finally:
             self._give_back(key, entry)
+            metrics.GRAMMAR_SECONDS.labels("cut").inc(time.perf_counter() - started)
 
     def _ends(self, c: Constraint) -> set[int]:
         """The tokens that end an output: the constraint's, and the tokenizer's end of sequence."""
@@ -207,12 +210,18 @@ class Grammars:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
         check_constraint(c)
+        started = time.perf_counter()
         grammar = grammar_text(c)
         limits = llguidance.LLParserLimits(max_grammar_size=MAX_GRAMMAR_SIZE, initial_lexer_fuel=LEXER_FUEL)
         error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer, limits=limits)
         matcher = None if error else llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits)
+        if matcher is not None and not matcher.is_error():  # the first mask builds the lexer, within its fuel
+            import llguidance.torch as llt
+
+            llt.fill_next_token_bitmask(matcher.deep_copy(), llt.allocate_token_bitmask(1, self.vocab_size), 0)
         if error or matcher.is_error():
             raise InvalidArgument(c.field, _first_line(messages[0] if messages else matcher.get_error()))
+        metrics.GRAMMAR_SECONDS.labels("compile").inc(time.perf_counter() - started)
         with self._lock:
             self.compiles += 1
             self._compiled[key] = matcher

@@ -20,11 +20,13 @@ import enum
 import hashlib
 import math
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from specdec_core import metrics
 from specdec_core.engine.grammar import Constraint, Grammars, check_constraint
 
 
@@ -116,7 +118,10 @@ def adjust_logits(logits: torch.Tensor, cfg: SamplingConfig, tokens: Sequence[in
     if cfg.constraint is not None:
         if grammars is None:
             raise ValueError("a constrained request needs the process's Grammars")
+        started = time.perf_counter()
         x.masked_fill_(~grammars.masks(cfg.constraint, tokens, rows, cfg.output_start), -math.inf)
+        metrics.GRAMMAR_SECONDS.labels("mask").inc(time.perf_counter() - started)
+        metrics.GRAMMAR_ROWS.inc(rows)
     return x
 
 
