@@ -170,6 +170,7 @@ def summarize(rows: list[dict], meta: dict | None = None) -> tuple[dict, dict]:
         "c1_chat_vs_vllm_plain": ratio(tps(rows, "main", "chat", DEFAULT, 1), tps(rows, "main", "chat", VLLM, 1)),
         **memory,
         **repetitive_summary(rows, top, meta),
+        **((meta or {}).get("structured") or {}),  # benchmarks/structured.py's keys, from its last run
     }
     return summary, summary_notes(top, best, hf_chosen, sets, at_top)
 

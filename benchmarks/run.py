@@ -32,7 +32,8 @@ down, so that the two never share the cores.
 
 Writes benchmarks/results/latest.json (everything, with a "summary"), latest.md and latest.png;
 the summary's suffix_lookup_ms_p99 is read from benchmarks/results/suffix_lookup.json (written by
-benchmarks/suffix_lookup.py, which runs first when that file is missing).
+benchmarks/suffix_lookup.py, which runs first when that file is missing), and its structured_* and
+grammar_* keys from benchmarks/results/structured.json (benchmarks/structured.py, run on its own).
 --only takes configuration names (target_k0 always runs: it is every ratio's baseline), prompt-set
 names, overlap_pinned, mixed and fresh_stack; e.g. --only chat,model_k5_overlap,overlap_pinned or
 --only repetitive,fresh_stack,default,target_k0. --only mixed / --only fresh_stack run that scenario
@@ -530,6 +531,13 @@ def suffix_lookup(progress: Progress) -> dict | None:
             "index_memory_mb": full["index_memory_mb"]}
 
 
+def structured_summary() -> dict | None:
+    """The summary keys of benchmarks/structured.py's last run (structured_c1_default_vs_k0,
+    grammar_ms_per_token, ...), carried into this run's summary; None when it has not run."""
+    path = HERE / "results" / "structured.json"
+    return json.loads(path.read_text())["summary"] if path.exists() else None
+
+
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     progress = Progress()
@@ -539,7 +547,7 @@ def main(argv: list[str] | None = None) -> None:
     lookup = suffix_lookup(progress)
     meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine_at_start": machine(), "argv": sys.argv[1:],
             "plan": plan.__dict__, "specdec_configs": SPECDEC, "logs": str(log_dir), "target": target_footprint(),
-            "suffix_lookup": lookup}
+            "suffix_lookup": lookup, "structured": structured_summary()}
     tokens = stacks.TenantTokens(tenants(plan), log_dir / "auth_tokens")
     def save(rows: list[dict], final: bool = False) -> list[Path]:
         meta.update(finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"), wall_s=progress.elapsed(),
