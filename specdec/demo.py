@@ -48,9 +48,11 @@ class Comparison:
 
 
 def run(client: Client, prompt: str, gen_kwargs: dict) -> int:
-    """The whole demo on `client`'s stack; 1 if a greedy answer changed under speculation (a bug)."""
+    """The whole demo on `client`'s stack; 1 if a greedy answer changed under speculation (a bug).
+    Every request is one-shot: it ends its session (nothing is left behind in Redis or the workers)."""
+    gen_kwargs = {**gen_kwargs, "end_session": True}
     for draft in ("default", "none"):  # warm both paths up (first calls pay one-off costs)
-        client.generate("Hi!", chat=True, max_new_tokens=4, draft=draft)
+        client.generate("Hi!", chat=True, max_new_tokens=4, draft=draft, end_session=True)
     chat = compare(client, prompt, gen_kwargs)
     print(f"\nspecdec: {len(EXTRACTION_TEXTS) - 1} earlier extractions, each a new session (their prompts and "
           "answers enter the tenant's suffix index):", file=sys.stderr)
