@@ -40,7 +40,7 @@ class Finish(enum.Enum):
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt: str | None = None
-    messages: list[dict] | None = None
+    messages: list[dict] | None = None  # {"role", "content"}, and "tool_calls" / "tool_call_id" / "name" when set
     token_ids: list[int] | None = None
     sampling: SamplingConfig = SamplingConfig()
     seed: int | None = None
@@ -56,6 +56,7 @@ class GenerationRequest:
     session_id: str = ""
     request_id: str = ""  # makes retries idempotent; empty: none
     end_session: bool = False  # end the session when the request has finished
+    tools: list[dict] | None = None  # functions the model may call: {"name", "description", "parameters" (JSON text)}
 
     def fingerprint(self) -> str:
         """What a retry with the same request id must ask for again (the session is checked apart)."""

@@ -34,8 +34,7 @@ def request_from_proto(msg: pb.GenerationInput) -> GenerationRequest:
     spec = msg.speculation
     return GenerationRequest(
         prompt=msg.prompt if which == "prompt" else None,
-        messages=[{"role": m.role, "content": m.content} for m in msg.messages.messages]
-        if which == "messages" else None,
+        messages=[message_from_proto(m) for m in msg.messages.messages] if which == "messages" else None,
         token_ids=list(msg.token_ids.ids) if which == "token_ids" else None,
         sampling=sampling_from_proto(msg.sampling),
         seed=msg.sampling.seed if msg.sampling.HasField("seed") else None,
@@ -51,7 +50,25 @@ def request_from_proto(msg: pb.GenerationInput) -> GenerationRequest:
         session_id=msg.session_id,
         request_id=msg.request_id,
         end_session=msg.end_session,
+        tools=[{"name": t.name, "description": t.description, "parameters": t.parameters} for t in msg.tools] or None,
     )
+
+
+def message_from_proto(m: pb.ChatMessage) -> dict:
+    """A chat message as the coordinator keeps it: role and content, and its tool fields when set."""
+    out = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in m.tool_calls]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name:
+        out["name"] = m.name
+    return out
+
+
+def message_to_proto(m: dict) -> pb.ChatMessage:
+    return pb.ChatMessage(role=m["role"], content=m["content"], tool_call_id=m.get("tool_call_id", ""),
+                          name=m.get("name", ""), tool_calls=[pb.ToolCall(**c) for c in m.get("tool_calls", [])])
 
 
 def stats_to_proto(s: Stats) -> pb.SpeculationStats:
@@ -116,7 +133,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         s = self.generation.store.load(request.session_id, self.tenants(context))
         return pb.GetSessionResponse(
             session_id=s.session_id, token_ids=s.token_ids,
-            messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in s.messages],
+            messages=[message_to_proto(m) for m in s.messages],
             sampling=sampling_to_proto(sampling_from_dict(s.sampling or {}), s.seed), seed=s.seed,
             stats=stats_to_proto(s.stats), version=s.version,
         )

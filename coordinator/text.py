@@ -1,8 +1,37 @@
-"""Tokenizer, chat template, and incremental output text with stop strings."""
+"""Tokenizer, chat template (with tools), and incremental output text with stop strings.
+
+Tools reach the prompt through the model's chat template when it takes them (its source mentions
+`tools`: Qwen's, Hermes', Llama 3.1's, Mistral's): the template gets OpenAI/Hugging Face shapes,
+`tools=[{"type": "function", "function": {name, description, parameters}}]`, assistant
+`tool_calls=[{"id", "type": "function", "function": {"name", "arguments": {...}}}]` and `tool`
+messages. Otherwise, by the default (docs/api.md, "Tool calling"), Hermes/Qwen style:
+
+- the functions are listed in a system message (appended to the first system message, if any, else
+  one of its own first): `TOOLS_PROMPT`, one JSON line per function, asking for calls written as
+  `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`;
+- an assistant's tool calls are its content followed by such blocks, one per call, a newline apart;
+- tool results (consecutive `tool` messages together) are a user message of
+  `<tool_response>\n...\n</tool_response>` blocks.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+
+TOOLS_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
 
 
 class TextCodec:
@@ -11,22 +40,35 @@ class TextCodec:
         self.name = name
         eos = tokenizer.eos_token_id
         self.eos_ids: frozenset[int] = frozenset([eos] if isinstance(eos, int) else (eos or []))
-        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        template = getattr(tokenizer, "chat_template", None)
+        self.has_chat_template = bool(template)
+        self.template_takes_tools = isinstance(template, str) and "tools" in template
 
     def encode_prompt(self, text: str, is_first_turn: bool) -> list[int]:
         return self.tokenizer(text, add_special_tokens=is_first_turn)["input_ids"]
 
-    def encode_chat(self, committed_ids: list[int], history: list[dict], new: list[dict]) -> list[int]:
+    def encode_chat(self, committed_ids: list[int], history: list[dict], new: list[dict],
+                    tools: list[dict] | None = None) -> list[int]:
         """Token ids that turn the committed sequence into the whole conversation, history + new,
         with an assistant turn opened. The template is rendered for the whole conversation; what
         the committed tokens already say (their decoded text, special tokens included) is cut off
         the front and only the rest is tokenized. A reply cut short (max tokens, stop string) thus
-        gets its closing tags from the template."""
-        text = self.tokenizer.apply_chat_template(history + new, add_generation_prompt=True, tokenize=False)
+        gets its closing tags from the template. A session continues as it began when every
+        request gives the same tools."""
+        text = self.render_chat(history + new, tools)
         if committed_ids:
             committed_text = self.tokenizer.decode(committed_ids, skip_special_tokens=False)
             text = text[len(os.path.commonprefix([committed_text, text])):]
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The conversation's text with an assistant turn opened; tools as the module says."""
+        if self.template_takes_tools:
+            return self.tokenizer.apply_chat_template([_template_message(m) for m in messages],
+                                                      tools=[_template_tool(t) for t in tools] if tools else None,
+                                                      add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.apply_chat_template(default_tool_messages(messages, tools or []),
+                                                  add_generation_prompt=True, tokenize=False)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -34,6 +76,67 @@ class TextCodec:
     def token_text(self, token_id: int) -> str:
         """One token's own text (special tokens included), as log-probabilities report it."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _arguments(text: str):
+    """A tool call's arguments (JSON text) as an object, or the text itself if it is not JSON."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _parameters(text: str) -> dict:
+    return json.loads(text) if text else {"type": "object", "properties": {}}
+
+
+def _template_tool(tool: dict) -> dict:
+    return {"type": "function", "function": {"name": tool["name"], "description": tool["description"],
+                                             "parameters": _parameters(tool["parameters"])}}
+
+
+def _template_message(m: dict) -> dict:
+    out = {"role": m["role"], "content": m["content"]}
+    if m.get("tool_calls"):
+        out["tool_calls"] = [{"id": c["id"], "type": "function",
+                              "function": {"name": c["name"], "arguments": _arguments(c["arguments"])}}
+                             for c in m["tool_calls"]]
+    for key in ("tool_call_id", "name"):
+        if m.get(key):
+            out[key] = m[key]
+    return out
+
+
+def tool_call_text(name: str, arguments: str) -> str:
+    """One call as the default asks the model to write it."""
+    call = json.dumps({"name": name, "arguments": _arguments(arguments)}, ensure_ascii=False)
+    return f"<tool_call>\n{call}\n</tool_call>"
+
+
+def default_tool_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """The conversation in roles and content only, tools rendered by the default (module docstring)."""
+    out: list[dict] = []
+    for i, m in enumerate(messages):
+        if m["role"] == "tool":
+            block = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if i and messages[i - 1]["role"] == "tool":  # one user message for consecutive results
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block})
+            continue
+        content = m["content"]
+        if m.get("tool_calls"):
+            calls = [tool_call_text(c["name"], c["arguments"]) for c in m["tool_calls"]]
+            content = "\n".join(([content] if content else []) + calls)
+        out.append({"role": m["role"], "content": content})
+    if tools:
+        listing = "\n".join(json.dumps(_template_tool(t), ensure_ascii=False) for t in tools)
+        prompt = TOOLS_PROMPT.format(tools=listing)
+        if out and out[0]["role"] == "system":
+            out[0]["content"] += "\n\n" + prompt
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
 
 
 class OutputText:

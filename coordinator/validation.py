@@ -4,6 +4,8 @@ text lengths before tokenizing)."""
 
 from __future__ import annotations
 
+import json
+
 from coordinator.request import GenerationRequest, Limits
 from coordinator.text import TextCodec
 from specdec_core.errors import InvalidArgument
@@ -16,7 +18,8 @@ from specdec_core.limits import (
 )
 from specdec_core.engine.sampling import validate_sampling
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+MAX_TOOLS = 128  # functions a request gives, and calls a message makes (OpenAI's limit on tools)
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -33,6 +36,7 @@ def validate_request(req: GenerationRequest, limits: Limits, codec: TextCodec) -
     if req.max_new_tokens is not None and req.max_new_tokens < 1:
         raise InvalidArgument("max_new_tokens", f"must be >= 1, got {req.max_new_tokens}")
     _validate_speculation(req)
+    _validate_tools(req.tools, req.messages is not None, limits.max_context)
     if req.session_id:  # empty: a new session
         validate_session_id(req.session_id)
     if req.request_id:
@@ -68,9 +72,51 @@ def _validate_messages(messages: list[dict], max_context: int, codec: TextCodec)
                                           "the model's context in tokens")
     if not codec.has_chat_template:
         raise InvalidArgument("messages", f"the tokenizer {codec.name} has no chat template")
+    max_chars = max_context * CHARS_PER_TOKEN
+    tool_chars = 0
     for i, m in enumerate(messages):
         if m["role"] not in ROLES:
             raise InvalidArgument(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}")
+        calls = m.get("tool_calls", [])
+        if calls and m["role"] != "assistant":
+            raise InvalidArgument(f"messages[{i}].tool_calls", "only an assistant message makes tool calls")
+        if len(calls) > MAX_TOOLS:
+            raise InvalidArgument(f"messages[{i}].tool_calls", f"{len(calls)} calls; at most {MAX_TOOLS}")
+        for j, c in enumerate(calls):
+            if not c["name"]:
+                raise InvalidArgument(f"messages[{i}].tool_calls[{j}].name", "must not be empty")
+            tool_chars += len(c["id"]) + len(c["name"]) + len(c["arguments"])
+        if (m["role"] == "tool") != bool(m.get("tool_call_id")):
+            raise InvalidArgument(f"messages[{i}].tool_call_id", "a tool message, and only a tool message, "
+                                                                 "names the call it answers")
+        tool_chars += len(m.get("tool_call_id", "")) + len(m.get("name", ""))
+    if tool_chars > max_chars:
+        raise InvalidArgument("messages", f"{tool_chars} characters of tool calls; at most {max_chars}")
+
+
+def _validate_tools(tools: list[dict] | None, has_messages: bool, max_context: int) -> None:
+    """Functions the model may call: only with messages, named once each, parameters a JSON object
+    (the constraint built from them is checked as any constraint is)."""
+    if not tools:
+        return
+    if not has_messages:
+        raise InvalidArgument("tools", "only with messages (the chat template renders them)")
+    if len(tools) > MAX_TOOLS:
+        raise InvalidArgument("tools", f"{len(tools)} tools; at most {MAX_TOOLS}")
+    size = sum(len(t["name"]) + len(t["description"]) + len(t["parameters"]) for t in tools)
+    if size > max_context * CHARS_PER_TOKEN:
+        raise InvalidArgument("tools", f"{size} characters; at most {max_context * CHARS_PER_TOKEN}")
+    names = set()
+    for i, t in enumerate(tools):
+        if not t["name"] or t["name"] in names:
+            raise InvalidArgument(f"tools[{i}].name", "must be given, and differ from the other tools'")
+        names.add(t["name"])
+        try:
+            parameters = json.loads(t["parameters"]) if t["parameters"] else {}
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument(f"tools[{i}].parameters", f"is not JSON: {exc}") from None
+        if not isinstance(parameters, dict):
+            raise InvalidArgument(f"tools[{i}].parameters", "must be a JSON schema (an object)")
 
 
 def _validate_stop(stop: list[str]) -> None:

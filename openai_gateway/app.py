@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from starlette.routing import Route
 
 from openai_gateway import protocol
 from openai_gateway.protocol import RequestError
+from openai_gateway.tools import ToolCallParser
 from specdec.client import Retries, StreamResume
 from specdec.v1 import generation_pb2 as pb
 from specdec.v1 import generation_pb2_grpc
@@ -179,7 +181,7 @@ class Gateway:
             return self._error_response(route, exc.status, exc.message, exc.param, exc.code)
         except grpc.aio.AioRpcError as exc:
             await asyncio.gather(*(c.cancel() for c in calls))
-            return self._error_response(route, *rpc_error(exc))
+            return self._error_response(route, *rpc_error(exc, parsed.constraint_param if calls else None))
         if parsed.stream:
             return StreamingResponse(self._events(parsed, calls, route, started), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -187,9 +189,10 @@ class Gateway:
             results = await asyncio.gather(*(c.rest() for c in calls))
         except grpc.aio.AioRpcError as exc:
             await asyncio.gather(*(c.cancel() for c in calls))
-            return self._error_response(route, *rpc_error(exc))
+            return self._error_response(route, *rpc_error(exc, parsed.constraint_param))
+        names = parsed.tools.names if parsed.parses_tool_calls else None
         choices = [protocol.choice(kind, c.job.index, r.text, protocol.FINISH[r.finish_reason], r.logprobs,
-                                   parsed.logprobs is not None) for c, r in zip(calls, results)]
+                                   parsed.logprobs is not None, tool_names=names) for c, r in zip(calls, results)]
         if parsed.return_token_ids:
             for entry, r in zip(choices, results):
                 entry["token_ids"] = list(r.token_ids)
@@ -216,19 +219,30 @@ class Gateway:
                 e["session_id"] = session_id
             return e
 
+        if parsed.parses_tool_calls:
+            for c in calls:
+                c.tool_parser = ToolCallParser(parsed.tools.names)
         merged = _merged(calls)
         try:
             if kind == "chat":  # the role first, as OpenAI does
                 for c in calls:
-                    yield sse(event([protocol.choice(kind, c.job.index, "", None, [], False, delta=True, first=True)]))
+                    yield sse(event([protocol.first_delta(c.job.index, parsed.parses_tool_calls)]))
             async for c, chunk in merged:
                 if isinstance(chunk, grpc.aio.AioRpcError):
-                    status, message, param, code = rpc_error(chunk)
+                    status, message, param, code = rpc_error(chunk, parsed.constraint_param)
                     yield sse({"error": error_body(status, message, param, code)["error"]})
                     self._count(route, status, started, completion_tokens)
                     return
                 finish = protocol.FINISH.get(chunk.finish_reason) if chunk.finish_reason else None
-                if chunk.text or finish or (want_lp and chunk.logprobs) or (parsed.return_token_ids and chunk.token_ids):
+                if c.tool_parser is not None:
+                    with_ids = parsed.return_token_ids and bool(chunk.token_ids)
+                    entries = protocol.tool_call_choices(c.tool_parser, c.job.index, chunk.text, finish,
+                                                         chunk.logprobs, want_lp, always=with_ids)
+                    if with_ids:
+                        entries[0]["token_ids"] = list(chunk.token_ids)
+                    for entry in entries:
+                        yield sse(event([entry]))
+                elif chunk.text or finish or (want_lp and chunk.logprobs) or (parsed.return_token_ids and chunk.token_ids):
                     entry = protocol.choice(kind, c.job.index, chunk.text, finish, chunk.logprobs, want_lp,
                                             offset=c.chars, delta=True)
                     if parsed.return_token_ids:
@@ -305,6 +319,7 @@ class _Choice:
         self.metadata = metadata
         self.request = pb.GenerateStreamRequest(input=job.input)
         self.chars = 0  # text streamed so far
+        self.tool_parser: ToolCallParser | None = None  # streaming a chat choice parsed for tool calls
         self._call = None
         self._first: pb.GenerateStreamResponse | None = None
         self._resume = StreamResume()
@@ -377,14 +392,21 @@ def auth_metadata(request: Request) -> tuple:
     return (("authorization", header),) if header else ()
 
 
-def rpc_error(exc: grpc.aio.AioRpcError) -> tuple[int, str, str | None, str | None]:
-    """(HTTP status, message, param, code) for a failed gRPC call."""
+def rpc_error(exc: grpc.aio.AioRpcError, constraint_param: str | None = None
+              ) -> tuple[int, str, str | None, str | None]:
+    """(HTTP status, message, param, code) for a failed gRPC call. constraint_param: the parameter
+    the request's constraint came from (`response_format`, `guided_regex`, `tools`, ...), named
+    for an invalid `sampling.constraint.*`."""
     status, _ = STATUS.get(exc.code(), (500, "api_error"))
     message = exc.details() or exc.code().name
     param = None
     if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and ": " in message:
         field = message.split(": ", 1)[0]
-        param = PARAMS.get(field, field.removeprefix("sampling.").removeprefix("input."))
+        if field.startswith("sampling.constraint"):
+            param = constraint_param or "response_format"
+        else:
+            param = PARAMS.get(field, field.removeprefix("sampling.").removeprefix("input."))
+            param = re.sub(r"^tools\[(\d+)\]\.(?!function)", r"tools[\1].function.", param)
     code = {401: "invalid_api_key", 404: "not_found", 429: "rate_limit_exceeded"}.get(status)
     return status, message, param, code
 

@@ -7,11 +7,15 @@ left to it, so that both APIs refuse the same input for the same reason.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
 from dataclasses import dataclass
 
+from openai_gateway import tools as tool_calls
+from openai_gateway.errors import RequestError, invalid
+from openai_gateway.structured import structured
 from specdec.client import DRAFT_METHODS
 from specdec.v1 import common_pb2
 from specdec.v1 import generation_pb2 as pb
@@ -21,24 +25,9 @@ FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP_TOKEN: "stop"
           pb.FINISH_REASON_STOP_STRING: "stop", pb.FINISH_REASON_CONTEXT: "length"}
 # Fields OpenAI defines that this server does not implement: refused, never silently ignored.
 UNSUPPORTED = {
-    "chat": ("tools", "functions", "tool_choice", "function_call", "audio", "prediction", "web_search_options"),
+    "chat": ("functions", "function_call", "audio", "prediction", "web_search_options"),
     "completions": ("suffix", "echo", "best_of"),
 }
-
-
-class RequestError(Exception):
-    """A request OpenAI's API would refuse: HTTP status, message, the offending parameter."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-
-
-def invalid(param: str, problem: str) -> RequestError:
-    return RequestError(400, f"{param}: {problem}", param)
 
 
 @dataclass(frozen=True)
@@ -60,6 +49,12 @@ class Parsed:
     logprobs: int | None  # alternatives per token when log-probabilities were asked for
     keep_session: bool
     return_token_ids: bool  # extension (as vLLM's): each choice also lists its token ids
+    tools: tool_calls.Tools | None = None  # chat with tools: the output is parsed for calls when tools.parses
+    constraint_param: str | None = None  # the parameter the request's constraint came from (for errors)
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return self.tools is not None and self.tools.parses
 
 
 def parse(kind: str, body, served_model: str) -> Parsed:
@@ -75,9 +70,6 @@ def parse(kind: str, body, served_model: str) -> Parsed:
     for name in UNSUPPORTED[kind]:
         if body.get(name) not in (None, False, [], 1 if name == "best_of" else None):
             raise invalid(name, "is not supported by this server")
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise invalid("response_format", "only {\"type\": \"text\"} is supported")
     n = _int(body, "n", 1)
     if not 1 <= n <= MAX_N:
         raise invalid("n", f"must be in 1..{MAX_N}, got {n}")
@@ -93,6 +85,13 @@ def parse(kind: str, body, served_model: str) -> Parsed:
 
     template = pb.GenerationInput(session_id=session_id, end_session=not keep_session)
     template.sampling.CopyFrom(_sampling(kind, body))
+    tools = tool_calls.parse_tools(body) if kind == "chat" else None
+    constraint = structured(body)
+    if tools is not None:
+        constraint = tools.constraint(constraint)
+        template.tools.extend(tools.to_proto())
+    if constraint is not None:
+        template.sampling.constraint.CopyFrom(constraint.constraint)
     logprobs = template.sampling.logprobs if template.sampling.HasField("logprobs") else None
     max_tokens = body.get("max_completion_tokens") if kind == "chat" else None
     param = "max_completion_tokens" if max_tokens is not None else "max_tokens"
@@ -117,7 +116,7 @@ def parse(kind: str, body, served_model: str) -> Parsed:
                 msg.sampling.seed = (seed + i) % 2**64  # n choices of one seeded request differ
             jobs.append(Job(p * n + i, msg))
     return Parsed(kind, model, jobs, n, stream, include_usage, logprobs, keep_session,
-                  _bool(body, "return_token_ids", False))
+                  _bool(body, "return_token_ids", False), tools, constraint.param if constraint else None)
 
 
 def _sampling(kind: str, body: dict) -> common_pb2.SamplingParams:
@@ -192,8 +191,37 @@ def _chat_prompts(body: dict) -> list[pb.GenerationInput]:
         role = m.get("role")
         if role == "developer":  # OpenAI's newer name for system
             role = "system"
-        out.messages.messages.add(role=role if isinstance(role, str) else "", content=_content(m.get("content"), i))
+        msg = out.messages.messages.add(role=role if isinstance(role, str) else "")
+        if role == "assistant" and m.get("content") is None:  # an assistant's turn of tool calls only
+            msg.content = ""
+        else:
+            msg.content = _content(m.get("content"), i)
+        msg.tool_calls.extend(_tool_calls(m.get("tool_calls"), i))
+        for name in ("tool_call_id", "name"):
+            if m.get(name) is not None:
+                setattr(msg, name, _str(m, name, "", f"messages[{i}]."))
     return [out]
+
+
+def _tool_calls(calls, i: int) -> list[pb.ToolCall]:
+    """An assistant message's `tool_calls` (OpenAI's shape) -> ToolCalls (arguments as JSON text)."""
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise invalid(f"messages[{i}].tool_calls", "must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        param = f"messages[{i}].tool_calls[{j}]"
+        f = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(f, dict) or call.get("type", "function") != "function" or not isinstance(f.get("name"), str):
+            raise invalid(param, 'must be {"id", "type": "function", "function": {"name", "arguments"}}')
+        arguments = f.get("arguments") or "{}"
+        if isinstance(arguments, dict):  # OpenAI's are JSON text; some clients send the object
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        if not isinstance(arguments, str):
+            raise invalid(f"{param}.function.arguments", "must be a string (JSON text)")
+        out.append(pb.ToolCall(id=_str(call, "id", "", f"{param}."), name=f["name"], arguments=arguments))
+    return out
 
 
 def _content(content, i: int) -> str:
@@ -257,12 +285,12 @@ def _bool(body: dict, name: str, default: bool, prefix: str = "") -> bool:
     return value
 
 
-def _str(body: dict, name: str, default: str) -> str:
+def _str(body: dict, name: str, default: str, prefix: str = "") -> str:
     value = body.get(name, default)
     if value is None:
         return default
     if not isinstance(value, str):
-        raise invalid(name, f"must be a string, got {value!r}")
+        raise invalid(prefix + name, f"must be a string, got {value!r}")
     return value
 
 
@@ -319,19 +347,49 @@ def completion_logprobs(logprobs, offset: int) -> dict:
             "top_logprobs": [{a.token: a.logprob for a in t.top} for t in logprobs], "text_offset": offsets}
 
 
+def first_delta(index: int, tool_calls: bool) -> dict:
+    """A streamed chat choice's first entry, as OpenAI sends it: the role (and, unless the choice
+    may turn out to be tool calls, empty content)."""
+    delta = {"role": "assistant"} if tool_calls else {"role": "assistant", "content": ""}
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+
+
 def choice(kind: str, index: int, text: str, finish: str | None, logprobs, want_logprobs: bool,
-           offset: int = 0, delta: bool = False, first: bool = False) -> dict:
-    """One entry of `choices`: whole (delta=False) or a streamed chunk's."""
+           offset: int = 0, delta: bool = False, tool_names: frozenset[str] | None = None) -> dict:
+    """One entry of `choices`: whole (delta=False) or a streamed chunk's. tool_names: the functions
+    a whole chat answer is parsed for (calls streamed are `tool_call_choices`')."""
     lp = None
     if want_logprobs:
         lp = chat_logprobs(logprobs) if kind == "chat" else completion_logprobs(logprobs, offset)
     if kind == "completions":
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
     if delta:
-        body = {"role": "assistant", "content": text} if first else ({"content": text} if text or not finish else {})
+        body = {"content": text} if text or not finish else {}
         return {"index": index, "delta": body, "logprobs": lp, "finish_reason": finish}
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-            "finish_reason": finish}
+    message = {"role": "assistant", "content": text}
+    if tool_names is not None:
+        message["content"], calls = tool_calls.message(text, tool_names)
+        if calls:
+            message["tool_calls"] = calls
+        finish = tool_calls.finish_reason(finish, bool(calls))
+    return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish}
+
+
+def tool_call_choices(parser: tool_calls.ToolCallParser, index: int, text: str, finish: str | None, logprobs,
+                      want_logprobs: bool, always: bool = False) -> list[dict]:
+    """One streamed chunk of a chat choice parsed for tool calls -> its `choices` entries, one event
+    each, as OpenAI streams them: content and tool-call deltas, the log-probabilities with the
+    first, then the finish reason in an entry of its own. always: at least one entry."""
+    deltas = tool_calls.merge(parser.feed(text) + (parser.finish() if finish else []))
+    if not deltas and not finish and (always or (want_logprobs and logprobs)):
+        deltas = [{}]
+    entries = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+    if finish:
+        entries.append({"index": index, "delta": {}, "logprobs": None,
+                        "finish_reason": tool_calls.finish_reason(finish, bool(parser.calls))})
+    if want_logprobs and entries:
+        entries[0]["logprobs"] = chat_logprobs(logprobs)
+    return entries
 
 
 def envelope(kind: str, rid: str, created: int, model: str, choices: list[dict], stream: bool) -> dict:

@@ -168,3 +168,68 @@ def test_cost_per_round_is_flat_in_output_length(codec, block):
         assert searched and max(searched) <= 2 * len("never appears") + 16 * block  # new text + stop lengths
     assert decoded[9] == decoded[99] == decoded[999] <= 3 * block
     assert out.text == codec.decode(ids[:1000 * block])
+
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city.",
+           "parameters": '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}'}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_tools_by_the_default_rendering(codec):
+    """A template without tools (SmolLM2's): the functions in the first system message, calls as
+    <tool_call> blocks, results as a user message of <tool_response> blocks."""
+    assert not codec.template_takes_tools
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+                    {"role": "assistant", "content": "", "tool_calls": [
+                        {"id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}]},
+                    {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+                    {"role": "tool", "content": "22C", "tool_call_id": "call_2"}]
+    text = codec.render_chat(conversation, [WEATHER])
+    system = text[:text.index("<|im_end|>")]
+    assert system.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n") and system.count("<|im_start|>") == 1
+    assert '{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.", ' \
+           '"parameters": {"type": "object"' in system
+    assert "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>" in system
+    assert f"<|im_start|>assistant\n{CALL}<|im_end|>" in text
+    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\n22C\n</tool_response>" \
+           "<|im_end|>\n<|im_start|>assistant\n" in text
+    no_system = codec.render_chat(conversation[1:2], [WEATHER])
+    assert no_system.startswith("<|im_start|>system\n# Tools\n") and "SmolLM" not in no_system
+    assert codec.render_chat(conversation[:2]) == codec.tokenizer.apply_chat_template(
+        conversation[:2], add_generation_prompt=True, tokenize=False)  # no tools: as before
+
+
+def test_a_session_with_tools_continues_its_committed_tokens(codec):
+    """Turn one asks with tools and the model calls; turn two brings the result: only the new text
+    is tokenized after the committed tokens, and together they are the whole conversation."""
+    first = [{"role": "user", "content": "Weather in Paris?"}]
+    committed = codec.encode_chat([], [], first, [WEATHER])
+    committed += codec.tokenizer(CALL, add_special_tokens=False)["input_ids"] + list(codec.eos_ids)
+    history = first + [{"role": "assistant", "content": CALL}]  # the session keeps the text generated
+    new = [{"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]
+    delta = codec.encode_chat(committed, history, new, [WEATHER])
+    whole = codec.render_chat(history + new, [WEATHER])
+    assert codec.tokenizer.decode(committed + delta, skip_special_tokens=False) == whole
+    assert codec.tokenizer.decode(delta, skip_special_tokens=False).startswith("\n<|im_start|>user\n<tool_response>")
+
+
+def test_tools_by_a_template_that_takes_them(codec):
+    """A template that takes tools gets them, the calls and the tool messages in Hugging Face's shapes."""
+    import copy
+
+    tokenizer = copy.deepcopy(codec.tokenizer)
+    tokenizer.chat_template = (
+        "{% for t in tools or [] %}[tool {{ t.function.name }}: {{ t.function.parameters.required | tojson }}]"
+        "{% endfor %}{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}[call {{ c.id }} {{ c.function.name }} {{ c.function.arguments.city }}]"
+        "{% endfor %}{% if m.tool_call_id %}[for {{ m.tool_call_id }}]{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")
+    with_tools = TextCodec(tokenizer, "custom")
+    assert with_tools.template_takes_tools
+    text = with_tools.render_chat([
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "name": "get_weather",
+                                                             "arguments": '{"city": "Oslo"}'}]},
+        {"role": "tool", "content": "rain", "tool_call_id": "c1"}], [WEATHER])
+    assert text == ('[tool get_weather: ["city"]]<user>Weather?<assistant>[call c1 get_weather Oslo]'
+                    "<tool>rain[for c1]<assistant>")

@@ -192,9 +192,8 @@ def test_errors_are_the_sdks_exceptions(stack, sdk, model):
         sdk.chat.completions.create(model=model, messages=CHAT, max_tokens=2, presence_penalty=3)
     assert err.value.body["param"] == "presence_penalty"
     with pytest.raises(openai.BadRequestError) as err:
-        sdk.chat.completions.create(model=model, messages=CHAT, tools=[{"type": "function", "function": {
-            "name": "f", "parameters": {}}}])
-    assert err.value.body["param"] == "tools"
+        sdk.chat.completions.create(model=model, messages=CHAT, tools=[{"type": "code_interpreter"}])
+    assert err.value.body["param"] == "tools[0].type"
     with pytest.raises(openai.BadRequestError) as err:
         sdk.completions.create(model=model, prompt=[10 ** 7], max_tokens=2)
     assert "outside the vocabulary" in err.value.message
