@@ -4,10 +4,12 @@ under each speculation configuration against plain decoding (K = 0), and what th
     .venv/bin/python benchmarks/structured.py [--quick] [--waves 2] [--concurrency 8]
                                               [--max-new-tokens 200] [--out benchmarks/results/structured]
 
-One stack serves every configuration (per-request flags), each configuration's requests as a
-tenant of its own (the suffix index is per tenant). At c1 every schema goes through every
-configuration in turn (the order rotated per request), --waves times, pooled; at --concurrency
-the whole set per configuration, 8 at a time. Every output must validate against its schema and be
+One stack serves every configuration (per-request flags), each configuration's pass as a tenant of
+its own (the suffix index is per tenant: no pass drafts from another configuration's outputs, nor
+from an earlier pass over the same requests; within a pass, a request sees the pass's earlier
+requests, of other schemas). At c1 every schema goes through every configuration in turn (the
+order rotated per request), --waves times, pooled; at --concurrency the whole set per
+configuration, 8 at a time, --waves times, pooled. Every output must validate against its schema and be
 token-identical to K = 0's (greedy): the run fails otherwise.
 
 The grammar's cost is read from the services' own metrics (`specdec_grammar_seconds_total`,
@@ -23,6 +25,7 @@ Writes <out>.json, and merges its summary keys into benchmarks/results/latest.js
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
@@ -57,6 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 200 (every schema ends within it)")
     p.add_argument("--out", default=str(HERE / "results" / "structured"), help="output path without suffix")
     return p.parse_args(argv)
+
+
+def tenant(config: str, concurrency: int, wave: int) -> str:
+    """The tenant one configuration's pass is sent as."""
+    return f"{config}.c{concurrency}.w{wave + 1}"
 
 
 def messages(prompt: str) -> list[dict]:
@@ -117,7 +125,7 @@ def bench_c1(clients, meter, schemas: list[int], waves: int, max_new: int, quiet
             for name in names[turn:] + names[:turn]:
                 quiet()
                 before = meter.read()
-                request = send(clients(f"{name}.c1"), index, CONFIGS[name], max_new)
+                request = send(clients(tenant(name, 1, wave)), index, CONFIGS[name], max_new)
                 after = meter.read()
                 for key in grammar[name]:
                     grammar[name][key] += after[key] - before[key]
@@ -127,12 +135,14 @@ def bench_c1(clients, meter, schemas: list[int], waves: int, max_new: int, quiet
     return {n: (done[n], sum(r.wall_s for r in done[n]), grammar[n]) for n in names}
 
 
-def bench_concurrent(address, tokens, meter, schemas: list[int], c: int, max_new: int, quiet, progress) -> dict:
-    """Each configuration: the whole set, c requests at a time (c clients, the configuration's tenant)."""
-    out = {}
-    for name in CONFIGS:
+def bench_concurrent(address, tokens, meter, schemas: list[int], c: int, waves: int, max_new: int, quiet,
+                     progress) -> dict:
+    """Each configuration: the whole set, c requests at a time (c clients, the pass's tenant), the
+    configurations in turn, --waves times, pooled."""
+    out = {name: ([], 0.0, dict.fromkeys(("mask_s", "cut_s", "compile_s", "rows"), 0.0)) for name in CONFIGS}
+    for wave, name in itertools.product(range(waves), CONFIGS):
         quiet()
-        clients = [stacks.Client(address, token=tokens(f"{name}.c{c}"), timeout_s=stacks.CLIENT_TIMEOUT_S)
+        clients = [stacks.Client(address, token=tokens(tenant(name, c, wave)), timeout_s=stacks.CLIENT_TIMEOUT_S)
                    for _ in range(c)]
         before = meter.read()
         try:
@@ -143,8 +153,9 @@ def bench_concurrent(address, tokens, meter, schemas: list[int], c: int, max_new
             for client in clients:
                 client.close()
         after = meter.read()
-        out[name] = (requests, wall, {k: after[k] - before[k] for k in after})
-        progress(f"[c{c}] {name}: {sum(len(r.token_ids) for r in requests) / wall:.1f} tok/s")
+        done, total, grammar = out[name]
+        out[name] = (done + requests, total + wall, {k: grammar[k] + after[k] - before[k] for k in grammar})
+        progress(f"[c{c} pass {wave + 1}] {name}: {sum(len(r.token_ids) for r in requests) / wall:.1f} tok/s")
     return out
 
 
@@ -175,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     max_new = a.max_new_tokens or (64 if a.quick else 200)
     schemas = list(range(3 if a.quick else len(SCHEMAS)))
     log_dir = Path(tempfile.mkdtemp(prefix="specdec-structured-"))
-    tokens = stacks.TenantTokens([f"{n}.c{lvl}" for n in CONFIGS for lvl in (1, c)], log_dir / "auth_tokens")
+    tokens = stacks.TenantTokens([tenant(n, level, wave) for n in CONFIGS for level in (1, c) for wave in range(waves)]
+                                 + [tenant("target_k0", 1, -1)], log_dir / "auth_tokens")
     ports = {role: free_port() for role in ROLES}
     stack = stacks.Stack(log_dir=log_dir, args={
         "coordinator": [*tokens.coordinator_args, "--metrics-port", str(ports["coordinator"])],
@@ -192,11 +204,12 @@ def main(argv: list[str] | None = None) -> None:
     clients = stacks.TenantClients(stack.address("coordinator"), tokens)
     try:
         meter, quiet = GrammarMeter(ports), stacks.quiet(stack)
-        send(clients("target_k0.c1"), 0, CONFIGS["target_k0"], 16)  # warm-up (compiles, caches), unmeasured
+        send(clients(tenant("target_k0", 1, -1)), 0, CONFIGS["target_k0"], 16)  # warm-up (compiles, caches), unmeasured
         rows = []
         measured = bench_c1(clients, meter, schemas, waves, max_new, quiet, progress)
         reference = {r.prompt_index: r.token_ids for r in measured["target_k0"][0]}
-        measured_c = bench_concurrent(stack.address("coordinator"), tokens, meter, schemas, c, max_new, quiet, progress)
+        measured_c = bench_concurrent(stack.address("coordinator"), tokens, meter, schemas, c, waves, max_new, quiet,
+                                      progress)
         for level, results in ((1, measured), (c, measured_c)):
             for name, (requests, wall, grammar) in results.items():
                 check(requests, tokenizer, reference, f"{name} c{level}")
