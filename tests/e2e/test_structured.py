@@ -148,6 +148,37 @@ def test_a_session_continues_valid_across_a_worker_restart(smollm2_stack, worker
     assert chunks[-1].finish_reason  # the stream ended with a finish reason, not an error
 
 
+@pytest.mark.slow
+def test_bad_constraints_are_invalid_argument_naming_the_field(client):
+    """Refused by the coordinator's check, before the request's input is committed or any worker called."""
+    import grpc
+
+    from specdec.v1 import common_pb2, generation_pb2
+
+    cases = [(common_pb2.Constraint(json_schema='{"type": "wat"}'), "sampling.constraint.json_schema"),
+             (common_pb2.Constraint(json_schema="{not json"), "sampling.constraint.json_schema"),
+             (common_pb2.Constraint(regex="a["), "sampling.constraint.regex"),
+             (common_pb2.Constraint(grammar="start: nowhere"), "sampling.constraint.grammar"),
+             (common_pb2.Constraint(grammar="start: " + " | ".join(f'"w{i}"' for i in range(20_000))),
+              "sampling.constraint.grammar")]
+    for constraint, field in cases:
+        request = generation_pb2.GenerateRequest(input=generation_pb2.GenerationInput(
+            prompt="Hello", max_new_tokens=4, sampling=common_pb2.SamplingParams(constraint=constraint)))
+        with pytest.raises(grpc.RpcError) as err:
+            client.stub.Generate(request, timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith(field), err.value.details()
+
+
+@pytest.mark.slow
+def test_a_constraint_unfinished_within_max_tokens_ends_with_length(client):
+    """What was generated so far comes back (a prefix the constraint allows), never a hang."""
+    schema = {"type": "object", "properties": {"essay": {"type": "string", "minLength": 400}}, "required": ["essay"]}
+    r = client.generate(ask("Write an essay."), json_schema=schema, max_new_tokens=12, end_session=True)
+    assert r.finish_reason == "length" and r.completion_tokens == 12
+    assert r.text.startswith("{")
+
+
 # -- the exact constrained distribution, on the tiny pair --------------------------------------
 
 CHOICES = ["yes", "no", "maybe", "never"]
