@@ -234,10 +234,11 @@ class Grammars:
         advanced from the pooled one that shares the longest prefix with it) or new."""
         key = (c.kind, c.spec)
         with self._lock:
-            best, shared = None, -1
-            for handle, (k, e) in self._pool.items():
-                if k == key and (n := _common_prefix(e.tokens, output)) > shared:
-                    best, shared = handle, n
+            best, shared = _extended(self._pool, key, output)  # the usual case: the call extends a session's last
+            if best is None:
+                for handle, (k, e) in self._pool.items():
+                    if k == key and (n := _common_prefix(e.tokens, output)) > shared:
+                        best, shared = handle, n
             entry = self._pool.pop(best)[1] if best is not None else None
         if entry is None or (shared < len(entry.tokens) and not entry.matcher.rollback(len(entry.tokens) - shared)):
             entry, shared = _Entry(self._compiled_matcher(c).deep_copy(), []), 0
@@ -278,6 +279,18 @@ def _unpack(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32)
     allowed = (bits.unsqueeze(-1) >> shifts) & 1  # [N, W, 32]
     return allowed.reshape(bits.shape[0], -1)[:, :vocab_size].bool()
+
+
+def _extended(pool: OrderedDict, key: tuple[str, str], output: list[int]) -> tuple[int | None, int]:
+    """The pooled matcher of `key` whose tokens `output` extends the furthest, found cheaply: its
+    last token is checked before the whole (None, -1 when none)."""
+    best, shared = None, -1
+    for handle, (k, e) in pool.items():
+        n = len(e.tokens)
+        if k == key and shared < n <= len(output) and (not n or e.tokens[-1] == output[n - 1]) \
+                and e.tokens == output[:n]:
+            best, shared = handle, n
+    return best, shared
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
