@@ -9,8 +9,14 @@ constrained output cut by max_tokens ends with finish reason `length` and does n
 
 from __future__ import annotations
 
+SYSTEM = "You answer with JSON only."
 S = {"type": "string", "maxLength": 40}  # a bounded string
 NAME = {"type": "string", "minLength": 1, "maxLength": 30}
+
+
+def messages(prompt: str) -> list[dict]:
+    """A schema request's chat messages (its system message, then the prompt)."""
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
 
 
 def _obj(properties: dict, required: list[str] | None = None) -> dict:

@@ -39,7 +39,7 @@ import jsonschema  # noqa: E402
 
 import stacks  # noqa: E402
 from measure import Progress, Request, config_stats, machine  # noqa: E402
-from schemas import SCHEMAS  # noqa: E402
+from schemas import SCHEMAS, messages  # noqa: E402
 from specdec.launcher import free_port, scrape_metrics  # noqa: E402
 
 CONFIGS = {
@@ -48,7 +48,6 @@ CONFIGS = {
     "model_k4_overlap": {"draft": "model", "k": 4, "overlap": True},
     "suffix_k8": {"draft": "suffix", "k": 8},
 }
-SYSTEM = "You answer with JSON only."
 ROLES = ("coordinator", "draft", "target")
 
 
@@ -65,10 +64,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def tenant(config: str, concurrency: int, wave: int) -> str:
     """The tenant one configuration's pass is sent as."""
     return f"{config}.c{concurrency}.w{wave + 1}"
-
-
-def messages(prompt: str) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
 
 
 class GrammarMeter:

@@ -347,14 +347,15 @@ def _json_string(inner: str) -> str | None:
 
 def merge(deltas: list[dict]) -> list[dict]:
     """Consecutive deltas of one kind as one: content with content, a call's argument pieces with
-    the call's header or its earlier pieces."""
+    its earlier pieces. A call's header (id, name, arguments "") stays a delta of its own, as OpenAI
+    streams it."""
     merged: list[dict] = []
     for d in deltas:
         last = merged[-1] if merged else None
         if last is not None and "content" in d and "content" in last:
             last["content"] += d["content"]
         elif (last is not None and "tool_calls" in d and "tool_calls" in last and "id" not in d["tool_calls"][0]
-              and last["tool_calls"][0]["index"] == d["tool_calls"][0]["index"]):
+              and "id" not in last["tool_calls"][0] and last["tool_calls"][0]["index"] == d["tool_calls"][0]["index"]):
             last["tool_calls"][0]["function"]["arguments"] += d["tool_calls"][0]["function"]["arguments"]
         else:
             merged.append(json.loads(json.dumps(d)))  # a copy: merging appends to it

@@ -40,6 +40,14 @@ def start_stack(target: str, draft: str, log_dir, **kwargs) -> Stack:
     return stack
 
 
+def in_parallel(fn, items, workers: int = 8) -> list:
+    """fn over items, `workers` at a time (requests to a stack at that concurrency), in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(fn, items))
+
+
 def raw_stream(client, prompt, timeout_s: float = 300.0, **kwargs):
     """The raw GenerateStream call of a `specdec.Client` (iterable, cancellable with .cancel(); no
     retries); kwargs as for `build_input`."""

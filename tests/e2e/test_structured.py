@@ -11,14 +11,13 @@ import json
 import sys
 import threading
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jsonschema
 import pytest
 import torch
 
-from stacks import chi_square_p_value, start_stack
+from stacks import chi_square_p_value, in_parallel, start_stack
 from specdec import Client
 from specdec_core.engine.grammar import Constraint, Grammars
 from specdec_core.engine.models import load_tokenizer
@@ -26,21 +25,11 @@ from specdec_core.engine.sampling import SamplingConfig, process_logits
 from tiny_models import ENGINE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from schemas import SCHEMAS  # noqa: E402
+from schemas import SCHEMAS, messages as ask  # noqa: E402
 
 pytestmark = [pytest.mark.structured, pytest.mark.e2e]
 
 MAX_TOKENS = 200
-SYSTEM = "You answer with JSON only."
-
-
-def ask(prompt: str) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
-
-
-def in_parallel(fn, items, workers: int = 8) -> list:
-    with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(fn, items))
 
 
 @pytest.fixture(scope="module")
