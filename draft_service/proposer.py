@@ -38,7 +38,7 @@ from specdec_core.engine.sampling import (
     validate_sampling,
     warp,
 )
-from specdec_core.errors import InvalidArgument, ResourceExhausted
+from specdec_core.errors import InvalidArgument, ResourceExhausted, SpecdecError
 from specdec_core.limits import check_token_ids
 from specdec_core.logs import short_id
 
@@ -147,7 +147,10 @@ class ModelProposer:
             return None
         position = len(d.task.committed_ids) + len(d.token_ids)
         context = d.task.committed_ids + d.token_ids if d.task.sampling.adjusts_logits else ()
-        logits = adjust_logits(logits[None], d.task.sampling, context, self.grammars)[0]
+        try:
+            logits = adjust_logits(logits[None], d.task.sampling, context, self.grammars)[0]
+        except SpecdecError:  # its constraint failed here: the proposal ends (the target's verdict says why)
+            return None
         token, confidence, dist = self._choose(logits, d.task, position)
         if d.token_ids and confidence < d.task.min_confidence:
             return None

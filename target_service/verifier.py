@@ -41,7 +41,7 @@ from specdec_core.engine.sampling import (
     token_logprobs,
     validate_sampling,
 )
-from specdec_core.errors import InvalidArgument, ResourceExhausted
+from specdec_core.errors import InvalidArgument, ResourceExhausted, SpecdecError
 from specdec_core.limits import MAX_DECODE_STEPS, check_token_ids
 from specdec_core.logs import short_id
 from target_service.acceptance import verify_greedy, verify_sampled
@@ -258,7 +258,12 @@ class BatchVerifier:
             for (i, seq), rows in zip(leased, logits):
                 task = tasks[i]
                 n, k = len(task.committed_ids), len(task.draft_ids)
-                num_accepted, next_token, logprobs = self._decide(task, rows[-(k + 1):], n)  # [K+1, V]
+                try:
+                    num_accepted, next_token, logprobs = self._decide(task, rows[-(k + 1):], n)  # [K+1, V]
+                except SpecdecError as exc:  # e.g. its constraint failed: that session alone, never its batch
+                    self.caches.crop(seq, n)
+                    results[i] = exc
+                    continue
                 self.caches.crop(seq, n + num_accepted)  # rejected drafts never stay cached
                 decided.append((i, num_accepted, next_token, logprobs))
         compute_ms = (time.perf_counter() - started) * 1e3

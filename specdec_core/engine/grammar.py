@@ -149,8 +149,12 @@ class Grammars:
     def masks(self, c: Constraint, tokens: Sequence[int], rows: int, output_start: int) -> torch.Tensor:
         """Allowed tokens [rows, V] (bool). Row j follows tokens[:len(tokens) - rows + 1 + j], as
         in `adjust_logits`; the output starts at tokens[output_start]. The end tokens are allowed
-        where the output matches. A row after a draft token the grammar forbids, or after an end
-        token, is all True: nothing it allows is ever committed."""
+        where the output matches.
+
+        The grammar advances through a draft token only where the row before it allows it (the
+        mask itself decides, so a draft token is never judged by another test than its row's); the
+        rows after a draft token its row forbids, or after an end token, are all True: that token
+        is rejected whatever they say, or the output ends with it."""
         import llguidance.torch as llt
 
         base = len(tokens) - rows + 1
@@ -158,26 +162,26 @@ class Grammars:
         allowed = torch.ones(rows, self.vocab_size, dtype=torch.bool)
         if ends.intersection(output):  # the output has ended
             return allowed
+        draft, end_ids = list(tokens[base:]), sorted(t for t in ends if t < self.vocab_size)
+        bits = llt.allocate_token_bitmask(1, self.vocab_size)
         key, entry = self._take(c, output)
+        consumed = 0
         try:
-            draft = _until_end(list(tokens[base:]), ends)
-            valid = entry.matcher.validate_tokens(draft) if draft else 0
-            bits = llt.allocate_token_bitmask(rows, self.vocab_size)
-            accepting = []
-            for j in range(min(rows, valid + 1)):
-                llt.fill_next_token_bitmask(entry.matcher, bits, j)
-                accepting.append(entry.matcher.is_accepting())
-                if j < valid and not entry.matcher.consume_token(draft[j]):
-                    raise RuntimeError(f"grammar refused a token it validated: {entry.matcher.get_error()}")
-            if consumed := min(valid, rows - 1):
-                entry.matcher.rollback(consumed)
+            for j in range(rows):
+                llt.fill_next_token_bitmask(entry.matcher, bits, 0)
+                _check(entry.matcher, c)
+                allowed[j] = _unpack(bits, self.vocab_size)[0]
+                allowed[j, end_ids] = entry.matcher.is_accepting()
+                if j == len(draft) or draft[j] in ends or not allowed[j, draft[j]]:
+                    break
+                if not entry.matcher.consume_token(draft[j]):
+                    _check(entry.matcher, c)
+                consumed += 1
+            if consumed and not entry.matcher.rollback(consumed):
+                entry = None  # its state is unknown: not back into the pool
         finally:
-            self._give_back(key, entry)
-        n = len(accepting)
-        allowed[:n] = _unpack(bits[:n], self.vocab_size)
-        end_ids = sorted(t for t in ends if t < self.vocab_size)
-        for j, ok in enumerate(accepting):
-            allowed[j, end_ids] = ok
+            if entry is not None:
+                self._give_back(key, entry)
         return allowed
 
     def allowed_prefix(self, c: Constraint, output: Sequence[int], draft: Sequence[int]) -> int:
@@ -245,6 +249,7 @@ class Grammars:
         del entry.tokens[shared:]
         rest = output[shared:]
         if rest and not entry.matcher.consume_tokens(rest):
+            _check(entry.matcher, c)
             raise InvalidArgument(c.field, "the request's output so far does not match the constraint")
         entry.tokens += rest
         return key, entry
@@ -256,6 +261,14 @@ class Grammars:
             self._pool[id(entry)] = (key, entry)
             while len(self._pool) > self.max_matchers:
                 self._pool.popitem(last=False)
+
+
+def _check(matcher, c: Constraint) -> None:
+    """A matcher that has failed (a limit of llguidance's hit at this output, e.g. a grammar too
+    complex to follow within its step fuel) ends the request, with llguidance's reason; it never
+    yields a mask."""
+    if matcher.is_error():
+        raise InvalidArgument(c.field, f"the constraint cannot be followed here: {_first_line(matcher.get_error())}")
 
 
 def _accepts_after(matcher, tokens: list[int]) -> bool:
