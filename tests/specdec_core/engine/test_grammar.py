@@ -156,3 +156,20 @@ def test_a_grammar_too_large_is_refused_before_compiling(grammars):
         grammars.check(Constraint("grammar", huge))
     assert err.value.field == "sampling.constraint.grammar" and "at most" in str(err.value)
     grammars.check(Constraint("grammar", "start: " + " | ".join(words[:3000])))
+
+
+def test_a_failed_matcher_ends_the_request_instead_of_allowing_everything(tokenizer):
+    """llguidance writes no mask once its matcher has failed (a limit hit at some output), and a
+    preallocated mask allows every token: masks must raise, naming the field, never return it."""
+    grammars = Grammars(lambda: tokenizer, len(tokenizer))
+    c = json_constraint()
+    out = encode(tokenizer, '{"name": "Bob"')
+    grammars.masks(c, PROMPT + out, 1, len(PROMPT))
+    (_, entry), = grammars._pool.values()
+    assert not entry.matcher.consume_token(encode(tokenizer, "}")[0] + 1)  # a token it refuses: it fails
+    assert entry.matcher.is_error()
+    with pytest.raises(InvalidArgument) as err:  # the same output again: the failed matcher is the one it finds
+        grammars.masks(c, PROMPT + out, 1, len(PROMPT))
+    assert err.value.field == "sampling.constraint.json_schema" and "cannot be followed" in str(err.value)
+    fresh = Grammars(lambda: tokenizer, len(tokenizer)).masks(c, PROMPT + out, 1, len(PROMPT))
+    assert torch.equal(grammars.masks(c, PROMPT + out, 1, len(PROMPT)), fresh)  # the failed one was not pooled again
