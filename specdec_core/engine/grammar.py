@@ -248,9 +248,10 @@ class Grammars:
             entry, shared = _Entry(self._compiled_matcher(c).deep_copy(), []), 0
         del entry.tokens[shared:]
         rest = output[shared:]
-        if rest and not entry.matcher.consume_tokens(rest):
-            _check(entry.matcher, c)
-            raise InvalidArgument(c.field, "the request's output so far does not match the constraint")
+        for token in rest:  # one token a call, the steps decoding took (not one call of many tokens)
+            if not entry.matcher.consume_token(token):
+                _check(entry.matcher, c)
+                raise InvalidArgument(c.field, "the request's output so far does not match the constraint")
         entry.tokens += rest
         return key, entry
 
