@@ -191,14 +191,17 @@ class Grammars:
         if ends.intersection(output):
             return len(draft)
         key, entry = self._take(c, list(output))
+        intact = True  # the matcher is back at `output` (else it is not pooled again)
         try:
             head = _until_end(list(draft), ends)
             n = entry.matcher.validate_tokens(head) if head else 0
-            if n == len(head) < len(draft) and _accepts_after(entry.matcher, head):
-                n += 1
+            if n == len(head) < len(draft):
+                accepting, intact = _accepts_after(entry.matcher, head)
+                n += accepting
             return n
         finally:
-            self._give_back(key, entry)
+            if intact:
+                self._give_back(key, entry)
             metrics.GRAMMAR_SECONDS.labels("cut").inc(time.perf_counter() - started)
 
     def _ends(self, c: Constraint) -> set[int]:
@@ -272,15 +275,13 @@ def _check(matcher, c: Constraint) -> None:
         raise InvalidArgument(c.field, f"the constraint cannot be followed here: {_first_line(matcher.get_error())}")
 
 
-def _accepts_after(matcher, tokens: list[int]) -> bool:
-    """Whether the output matches the whole constraint after tokens (validated ones)."""
+def _accepts_after(matcher, tokens: list[int]) -> tuple[bool, bool]:
+    """(whether the output matches the whole constraint after tokens (validated ones), whether the
+    matcher is back where it was)."""
     if tokens and not matcher.consume_tokens(tokens):
-        return False
-    try:
-        return matcher.is_accepting()
-    finally:
-        if tokens:
-            matcher.rollback(len(tokens))
+        return False, False
+    accepting = matcher.is_accepting()
+    return accepting, not tokens or matcher.rollback(len(tokens))
 
 
 def _until_end(tokens: list[int], ends: set[int]) -> list[int]:
