@@ -123,7 +123,7 @@ def test_matchers_are_reused_and_rebuilt_from_the_committed_output(tokenizer):
     reference = [grammars.masks(c, PROMPT + out[:i], 1, len(PROMPT))[0] for i in range(len(out))]
     assert grammars.compiles == 1  # one compile for every call of the same constraint
     other = Constraint("regex", "[a-z]+", (EOS,))
-    for i in reversed(range(len(out))):  # backwards: every call rolls a pooled matcher back
+    for i in reversed(range(len(out))):  # backwards: no pooled matcher is extended by the call: a new one replays it
         grammars.masks(other, PROMPT + encode(tokenizer, "abc"), 1, len(PROMPT))  # churns the pool of 2
         assert torch.equal(grammars.masks(c, PROMPT + out[:i], 1, len(PROMPT))[0], reference[i])
     assert len(grammars._pool) <= 2
