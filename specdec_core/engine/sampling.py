@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec_core import metrics
-from specdec_core.engine.grammar import Constraint, Grammars, check_constraint
+from specdec_core.engine.grammar import Constraint, Grammars
 
 
 MAX_LOGPROBS = 20  # most alternatives reported per token (OpenAI's top_logprobs limit)
@@ -265,5 +265,5 @@ def validate_sampling(cfg: SamplingConfig, field: str = "sampling", vocab_size: 
         raise InvalidArgument(f"{field}.logprobs", f"must be in 0..{MAX_LOGPROBS}, got {cfg.logprobs}")
     if cfg.output_start < 0:
         raise InvalidArgument(f"{field}.output_start", f"must be >= 0, got {cfg.output_start}")
-    if cfg.constraint is not None:
-        check_constraint(cfg.constraint)
+    # The constraint is checked where it is compiled (grammar.check_in, beside every call of this),
+    # once per constraint, not on every round.

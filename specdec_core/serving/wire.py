@@ -30,8 +30,12 @@ def constraint_from_proto(msg: common_pb2.Constraint) -> Constraint | None:
     kind = msg.WhichOneof("kind")
     if kind is None:
         return None
-    spec = {"json_object": "", "choice": json.dumps(list(msg.choice.choices))}.get(kind) \
-        if kind in ("json_object", "choice") else getattr(msg, kind)
+    if kind == "json_object":
+        spec = ""
+    elif kind == "choice":
+        spec = json.dumps(list(msg.choice.choices))
+    else:
+        spec = getattr(msg, kind)
     return Constraint(kind, spec, tuple(msg.end_token_ids))
 
 
