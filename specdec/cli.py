@@ -5,6 +5,7 @@
     specdec generate "Why is the sky blue?" --address localhost:50050
     specdec generate "Name a colour." --json-schema '{"type": "object", "properties": {"colour": {"type": "string"}}}'
     specdec coordinator|draft|target --help
+    specdec train-head --target smollm2 --out heads/smollm2   # an EAGLE-3 draft head for a target
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from specdec.client import DRAFT_METHODS, Client, chat_message, tool
 from specdec.terminal import stream_to_terminal
 
 SERVICES = {"coordinator": "coordinator", "draft": "draft_service", "target": "target_service"}
+TOOLS = {"train-head": "target_service.train_head"}  # run in this process, flags passed through
 DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
 DEMO_HELP = """Start the local stack on the embedded model (as `specdec up` does) and answer two requests,
 each first with speculation (the coordinator's policy, unless --draft or -k say otherwise) and then
@@ -50,8 +52,8 @@ examples:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in SERVICES:  # run a service in this process, flags passed through
-        os.execv(sys.executable, [sys.executable, "-m", SERVICES[argv[0]], *argv[1:]])
+    if argv and argv[0] in SERVICES | TOOLS:  # run a service or tool in this process, flags passed through
+        os.execv(sys.executable, [sys.executable, "-m", (SERVICES | TOOLS)[argv[0]], *argv[1:]])
     args = parser().parse_args(argv)
     try:
         return args.func(args)
@@ -67,6 +69,8 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(required=True, metavar="COMMAND")
     for name, module in SERVICES.items():
         sub.add_parser(name, help=f"run the {name} service (python -m {module}; see `specdec {name} --help`)")
+    sub.add_parser("train-head", help="train an EAGLE-3 draft head for a target, export it in the speculators format "
+                   "(see `specdec train-head --help`)")
 
     g = sub.add_parser("generate", help="generate from a running coordinator, streaming to the terminal",
                        description=GENERATE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)

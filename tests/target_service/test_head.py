@@ -1,0 +1,105 @@
+"""EAGLE-3 heads (target_service/head.py): the speculators checkpoint format, the checks against a
+target, and serving steps that compute exactly what training unrolls."""
+
+import json
+
+import pytest
+import torch
+from tiny_models import tiny_llama
+
+from target_service.head import Eagle3Head, HeadConfig, HeadError, load_head, save_head
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab_size=256)
+
+
+def random_head(target, seed: int = 0, **config) -> Eagle3Head:
+    config = HeadConfig.for_target(target.config, draft_vocab_size=64, aux_layer_ids=[0, 1, 2], verifier="tiny",
+                                   **config) if not config else config["config"]
+    torch.manual_seed(seed)
+    head = Eagle3Head(config, target.get_input_embeddings())
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if not name.startswith("embed_tokens."):
+                p.normal_(0, 0.2)
+        head.d2t.copy_(torch.arange(64) * 3 - torch.arange(64))  # draft d is target 3d
+        head.t2d.zero_()
+        head.t2d[torch.arange(64) * 3] = True
+    return head.eval()
+
+
+def test_serving_steps_compute_what_training_unrolls(target):
+    """extend over committed pairs then step() on the head's own outputs gives the logits that
+    forward_train's teacher-forced steps give at the same index, for any split into extends."""
+    head = random_head(target)
+    n, t = 14, 9
+    torch.manual_seed(1)
+    aux, ids = torch.randn(n, 3 * 64), torch.randint(0, 256, (n,))
+    with torch.no_grad():
+        unrolled = head.forward_train(aux, ids, torch.arange(1, n + 1), steps=3)
+    for cuts in ([t + 1], [3, t + 1], [1, 2, 6, t + 1]):
+        state, start = head.new_state(capacity=2), 0
+        for cut in cuts:
+            head.step(head.new_state(1) if state.hidden is None else state, state.hidden if state.hidden is not None
+                      else torch.zeros(1, 64), ids[start])  # a proposal's step, dropped by the next extend
+            head.extend(state, aux[start:cut], ids[start:cut])
+            start = cut
+        assert state.committed == t + 1
+        torch.testing.assert_close(state.logits[0], unrolled[0][t], rtol=1e-4, atol=1e-5)
+        hidden, logits = head.step(state, state.hidden, ids[t + 1])
+        torch.testing.assert_close(logits[0], unrolled[1][t], rtol=1e-4, atol=1e-5)
+        _, logits = head.step(state, hidden, ids[t + 2])
+        torch.testing.assert_close(logits[0], unrolled[2][t], rtol=1e-4, atol=1e-5)
+        head.rollback(state, t)  # a session cut back: the same pair again gives the same output
+        head.extend(state, aux[t:t + 1], ids[t:t + 1])
+        torch.testing.assert_close(state.logits[0], unrolled[0][t], rtol=1e-4, atol=1e-5)
+
+
+def test_speculators_format_round_trip(target, tmp_path):
+    head = random_head(target)
+    save_head(head, tmp_path / "head")
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    assert config["draft_vocab_size"] == 64 and config["target_hidden_size"] == 64
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny"
+    loaded = load_head(str(tmp_path / "head"), target)
+    assert loaded.embed_tokens is target.get_input_embeddings()  # no embedding in the file: the target's
+    assert torch.equal(loaded.to_target(torch.arange(64)), torch.arange(64) * 3)
+    aux, ids = torch.randn(5, 192), torch.randint(0, 256, (5,))
+    a, b = head.new_state(8), loaded.new_state(8)
+    head.extend(a, aux, ids)
+    loaded.extend(b, aux, ids)
+    assert torch.equal(a.logits, b.logits)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(target_hidden_size=128), "target_hidden_size 128 != the target's hidden_size 64"),
+    (lambda c: c["transformer_layer_config"].update(vocab_size=300), "vocab_size 300 != the target's 256"),
+    (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2, 7]), "[1, 2, 7] are not three layer ids"),
+    (lambda c: c.update(speculators_model_type="medusa"), "not 'eagle3'"),
+    (lambda c: c.update(fc_norm=True), "fc_norm = true is not supported"),
+    (lambda c: c["transformer_layer_config"].update(num_hidden_layers=2), "only one-layer heads"),
+])
+def test_a_head_that_does_not_fit_is_refused_naming_why(target, tmp_path, edit, message):
+    save_head(random_head(target), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    edit(config)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HeadError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_head(str(tmp_path), target)
+
+
+def test_weights_that_do_not_match_the_config_are_refused(target, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_head(random_head(target), tmp_path)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    weights["fc.weight"] = weights["fc.weight"][:, :128].contiguous()
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(HeadError, match=r"fc.weight has shape \(64, 128\)"):
+        load_head(str(tmp_path), target)
+    with pytest.raises(HeadError, match="not a folder"):
+        load_head(str(tmp_path / "missing"), target)
