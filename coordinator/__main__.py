@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     limits = Limits(vocab_size=target_info.vocab_size, max_context=target_info.max_context,
                     default_max_new_tokens=cfg.max_new_tokens, default_k=cfg.num_speculative_tokens,
                     max_concurrent_requests=cfg.max_concurrent_requests, overlap=cfg.overlap,
-                    decode_steps=cfg.decode_steps)
+                    decode_steps=cfg.decode_steps, has_head=bool(target_info.head))
     store = SessionStore(connect_redis(cfg.redis_url, cfg.redis_tls, cfg.redis_retry_s), ttl_seconds=cfg.session_ttl_s,
                          wait_replicas=cfg.redis_wait_replicas, wait_timeout_ms=cfg.redis_wait_timeout_ms,
                          max_sessions_per_tenant=cfg.tenant_max_sessions, request_ttl_seconds=cfg.request_ttl_s)

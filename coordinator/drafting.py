@@ -1,12 +1,40 @@
 """Each round's draft method and K, and the round itself: the request's fixed choice, or the
-speculation policy's round by round (`coordinator/policy/`)."""
+speculation policy's round by round (`coordinator/policy/`).
+
+A head round (the target worker's EAGLE-3 head) is one Verify call: its draft is the proposal the
+head made with the verdict before it (`HeadProposals`), and it asks the head for the next one. A
+round whose verdict brought none (the first of a request, or after another method) is plain."""
 
 from __future__ import annotations
 
-from coordinator.loop import NO_DECODE, Decode, Proposer, Round, Speculator
+from dataclasses import replace
+
+from coordinator.loop import NO_DECODE, NO_DRAFT, Decode, Draft, Proposer, Round, Speculator, Verdict
 from coordinator.policy import SpeculationPolicy
 from coordinator.policy.chooser import Lookup
-from coordinator.request import DraftMethod, GenerationRequest
+from coordinator.request import DraftMethod, GenerationRequest, RequestContext
+
+HEAD_K = 4  # head tokens a round asks for when its own K says nothing (a plain round warming the head up)
+
+
+class HeadProposals:
+    """A request's head proposals: the one the last verdict brought, proposed if the next round
+    follows exactly the committed tokens it was made after."""
+
+    def __init__(self):
+        self._after: list[int] | None = None  # the committed tokens it follows (the last few)
+        self._length = 0
+        self._draft = NO_DRAFT
+
+    def keep(self, committed_ids: list[int], verdict: Verdict | None) -> None:
+        head = verdict.head if verdict is not None else None
+        self._after, self._length, self._draft = (committed_ids[-8:], len(committed_ids), head) if head else (None, 0, NO_DRAFT)
+
+    def propose(self, ctx: RequestContext, committed_ids: list[int], num_tokens: int) -> Draft:
+        if self._after is None or len(committed_ids) != self._length or committed_ids[-8:] != self._after:
+            return NO_DRAFT
+        d = self._draft
+        return replace(d, token_ids=d.token_ids[:num_tokens], dists=d.dists[:num_tokens])
 
 
 def fixed_choice(req: GenerationRequest, default_k: int, has_model: bool) -> tuple[DraftMethod, int]:
@@ -14,8 +42,8 @@ def fixed_choice(req: GenerationRequest, default_k: int, has_model: bool) -> tup
     k = default_k if req.num_speculative_tokens is None else req.num_speculative_tokens
     if req.method is DraftMethod.NONE or k == 0:
         return DraftMethod.NONE, 0
-    if req.method is DraftMethod.SUFFIX:
-        return DraftMethod.SUFFIX, k
+    if req.method in (DraftMethod.SUFFIX, DraftMethod.HEAD):
+        return req.method, k
     return DraftMethod.MODEL, k if has_model else 0
 
 
@@ -39,8 +67,12 @@ class Drafting:
         takes no plain decoding steps: its first token would wait)."""
         method, k, steps = self._choose(committed_ids, room, first)
         steps = 0 if first else min(steps, room - k)
-        decode = Decode(steps, self.stop_ids) if steps > 0 else NO_DECODE
+        head = max(1, min(k or HEAD_K, room - k - 1)) if method is DraftMethod.HEAD and room - k > 1 else 0
+        decode = Decode(0, self.stop_ids, head) if head else Decode(steps, self.stop_ids) if steps > 0 else NO_DECODE
         rnd = self.speculator.round(committed_ids, k, self.proposers.get(method), decode)
+        heads = self.proposers.get(DraftMethod.HEAD)
+        if isinstance(heads, HeadProposals):
+            heads.keep(committed_ids + rnd.new_ids, rnd.verdict)
         if self.policy is not None:
             self.policy.observe(rnd)
         return rnd

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from coordinator.drafting import Drafting, fixed_choice
+from coordinator.drafting import Drafting, HeadProposals, fixed_choice
 from coordinator.finish import StopRule
 from coordinator.loop import Proposer, Round, Speculator, Verifier
 from coordinator.policy import Costs, Prior, PriorCosts, SpeculationPolicy
@@ -239,7 +239,8 @@ class Generation:
     def _drafting(self, req: GenerationRequest, ctx: RequestContext, stop_ids: frozenset[int]) -> Drafting:
         overlap = self.limits.overlap if req.overlap is None else req.overlap
         decode_steps = self.limits.decode_steps if req.decode_steps is None else req.decode_steps
-        proposers = {DraftMethod.MODEL: self.proposer, DraftMethod.SUFFIX: self.suffix}
+        proposers = {DraftMethod.MODEL: self.proposer, DraftMethod.SUFFIX: self.suffix,
+                     DraftMethod.HEAD: HeadProposals() if self.limits.has_head else None}
         greedy = req.sampling.is_greedy  # a sampled request looks up its own tokens alone (SuffixProposer.propose)
 
         def lookup(ids: list[int], k: int) -> list[int]:
@@ -265,9 +266,11 @@ class Generation:
         fixed = req.method is not None or req.num_speculative_tokens is not None
         if req.method is DraftMethod.NONE or (fixed and not req.adaptive):
             return None
-        methods = {DraftMethod.MODEL, DraftMethod.SUFFIX} if req.method is None else {req.method}
+        methods = {DraftMethod.MODEL, DraftMethod.SUFFIX, DraftMethod.HEAD} if req.method is None else {req.method}
         if self.proposer is None:
             methods.discard(DraftMethod.MODEL)
+        if not self.limits.has_head:
+            methods.discard(DraftMethod.HEAD)
         costs = self.costs if req.sampling.is_greedy else self.fixed_costs
         return SpeculationPolicy(costs, frozenset(methods), overlap, req.num_speculative_tokens, lookup, decode_steps)
 

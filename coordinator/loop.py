@@ -47,7 +47,8 @@ class Draft:
     batch_size: int = 0  # sessions in that batch
     batch_prefill_tokens: int = 0  # tokens the draft worker's batch had to (re)compute before drafting
     proposed: int = 0  # tokens the worker drafted in that call (a bet's block is a part of them)
-    from_worker: bool = True  # False: proposed in the coordinator (suffix decoding), no draft worker was busy
+    from_worker: bool = True  # False: proposed in the coordinator (suffix decoding) or by the target's head
+    from_head: bool = False  # proposed by the target worker's head with the last verdict
     drafting_meanwhile: bool = False  # a draft worker drafts for this session while this is verified
 
 
@@ -64,6 +65,8 @@ class Verdict:
     decoded_ids: list[int] = field(default_factory=list)  # plain decoding steps' tokens, after next_token_id
     passes: int = 1  # the target's passes for the call: the verdict's, plus one per decoding step
     pass_tokens: int = 0  # tokens of all those passes, all sessions together (0: not reported)
+    head: Draft | None = None  # the target's head's proposal for the next round (Decode.head_tokens asked)
+    head_ms: float = 0.0  # what the head's proposal took the worker (part of compute_ms)
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ class Decode:
 
     steps: int = 0
     stop_ids: frozenset[int] = frozenset()
+    head_tokens: int = 0  # the target's head proposes this many tokens for the next round (no steps then)
 
 
 NO_DECODE = Decode()

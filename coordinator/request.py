@@ -27,6 +27,7 @@ class DraftMethod(enum.Enum):
 
     MODEL = "model"  # the draft worker's model
     SUFFIX = "suffix"  # suffix decoding in the coordinator: the session's tokens and its tenant's earlier requests
+    HEAD = "head"  # the target worker's EAGLE-3 head: its proposal comes back with each verdict
     NONE = "none"  # no draft: plain target decoding (K = 0)
 
 
@@ -74,6 +75,7 @@ class Limits:
     max_concurrent_requests: int = 64  # sizes the overlapped-drafting pool (one bet per request)
     overlap: bool = False
     decode_steps: int = 0  # plain tokens a round without a draft asks the target for after its verdict
+    has_head: bool = False  # the target workers have a draft head (ModelInfo.head)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ _METHODS = MappingProxyType({  # DRAFT_METHOD_UNSPECIFIED: None, the server's po
     pb.DRAFT_METHOD_SUFFIX: DraftMethod.SUFFIX,
     pb.DRAFT_METHOD_NGRAM: DraftMethod.SUFFIX,  # its old name
     pb.DRAFT_METHOD_NONE: DraftMethod.NONE,
+    pb.DRAFT_METHOD_HEAD: DraftMethod.HEAD,
 })
 _FINISH = MappingProxyType({
     Finish.LENGTH: pb.FINISH_REASON_LENGTH,

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 
-from coordinator.request import GenerationRequest, Limits
+from coordinator.request import DraftMethod, GenerationRequest, Limits
 from coordinator.text import TextCodec
 from specdec_core.errors import InvalidArgument
 from specdec_core.limits import (
     MAX_DECODE_STEPS,
+    MAX_HEAD_TOKENS,
     MAX_SPECULATIVE_TOKENS,
     check_token_ids,
     validate_request_id,
@@ -35,7 +36,7 @@ def validate_request(req: GenerationRequest, limits: Limits, codec: TextCodec) -
     validate_sampling(req.sampling, vocab_size=limits.vocab_size)
     if req.max_new_tokens is not None and req.max_new_tokens < 1:
         raise InvalidArgument("max_new_tokens", f"must be >= 1, got {req.max_new_tokens}")
-    _validate_speculation(req)
+    _validate_speculation(req, limits)
     _validate_tools(req.tools, req.messages is not None, limits.max_context)
     if req.session_id:  # empty: a new session
         validate_session_id(req.session_id)
@@ -129,8 +130,12 @@ def _validate_stop(stop: list[str]) -> None:
             raise InvalidArgument("stop", f"stop string {i} has {len(s)} characters; at most {MAX_STOP_CHARS}")
 
 
-def _validate_speculation(req: GenerationRequest) -> None:
+def _validate_speculation(req: GenerationRequest, limits: Limits) -> None:
     k = req.num_speculative_tokens
+    if req.method is DraftMethod.HEAD and not limits.has_head:
+        raise InvalidArgument("speculation.method", "head: the target workers have no draft head (their --head)")
+    if req.method is DraftMethod.HEAD and k is not None and k > MAX_HEAD_TOKENS:
+        raise InvalidArgument("speculation.num_speculative_tokens", f"at most {MAX_HEAD_TOKENS} with the head, got {k}")
     if not 0.0 <= req.min_draft_confidence < 1.0:  # also rejects NaN
         raise InvalidArgument("speculation.min_draft_confidence", f"must be in [0, 1), got {req.min_draft_confidence}")
     if k is not None and not 0 <= k <= MAX_SPECULATIVE_TOKENS:

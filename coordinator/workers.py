@@ -191,12 +191,16 @@ class TargetClient(WorkerClient):
             draft_distributions=[common_pb2.SparseDistribution(token_ids=i, probs=p) for i, p in draft.dists],
             sampling=sampling_to_proto(ctx.sampling), seed=ctx.seed,
             draft_in_flight=draft.drafting_meanwhile or self.drafts.busy,
-            decode_steps=decode.steps, stop_token_ids=sorted(decode.stop_ids),
+            decode_steps=decode.steps, stop_token_ids=sorted(decode.stop_ids), head_tokens=decode.head_tokens,
         ), ctx)
+        head = None
+        if response.head_ids:
+            head = Draft(list(response.head_ids), [(list(d.token_ids), list(d.probs)) for d in response.head_distributions],
+                         from_worker=False, from_head=True)
         return Verdict(response.num_accepted, response.next_token_id, response.compute_ms, response.batch_size,
                        logprobs_from_proto(response.logprobs), response.batch_tokens, response.threads,
                        response.batch_prefill_tokens, list(response.decoded_ids), max(1, response.passes),
-                       response.pass_tokens)
+                       response.pass_tokens, head, response.head_ms)
 
     def release(self, session_id: str, deadline: float | None = None) -> None:
         self.call(self.stub.ReleaseTargetCache, target_pb2.ReleaseTargetCacheRequest(session_id=session_id),

@@ -17,7 +17,7 @@ from specdec.v1 import generation_pb2_grpc
 
 DRAFT_METHODS = {"default": pb.DRAFT_METHOD_UNSPECIFIED, "model": pb.DRAFT_METHOD_MODEL,
                  "suffix": pb.DRAFT_METHOD_SUFFIX, "ngram": pb.DRAFT_METHOD_NGRAM,  # ngram: suffix's old name
-                 "none": pb.DRAFT_METHOD_NONE}
+                 "none": pb.DRAFT_METHOD_NONE, "head": pb.DRAFT_METHOD_HEAD}
 FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP_TOKEN: "stop_token",
                   pb.FINISH_REASON_STOP_STRING: "stop_string", pb.FINISH_REASON_CONTEXT: "context"}
 CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar")  # Constraint's oneof, in its order

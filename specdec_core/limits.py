@@ -11,6 +11,7 @@ _SESSION_ID = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_SESSION_ID_CHARS}}}")  # the s
 
 
 MAX_DECODE_STEPS = 64  # plain decoding steps one Verify call may take after its verdict
+MAX_HEAD_TOKENS = 16  # draft tokens a target worker's head proposes in one Verify call
 MAX_SPECULATIVE_TOKENS = 32  # draft tokens a round may verify (K)
 
 MAX_REQUEST_ID_CHARS = 128

@@ -39,6 +39,9 @@ CACHE_EVICTIONS = Counter("specdec_cache_evictions_total", "sessions evicted fro
 GRAMMAR_SECONDS = Counter("specdec_grammar_seconds_total", "time spent on structured-output constraints: "
                           "masking positions (mask: computing and applying the masks), cutting proposals (cut), "
                           "compiling (compile)", ["step"])
+HEAD_SECONDS = Counter("specdec_head_seconds_total", "time the target worker's EAGLE-3 head spent: absorbing "
+                       "the target's features (absorb) and drafting (propose)", ["step"])
+HEAD_TOKENS = Counter("specdec_head_tokens_total", "draft tokens the target worker's head proposed")
 GRAMMAR_ROWS = Counter("specdec_grammar_rows_total", "positions masked by a structured-output constraint")
 SUFFIX_SHARED = Counter("specdec_suffix_shared_total", "finished requests the suffix index exchanged with the "
                         "other coordinator replicas through Redis: sent, received, dropped (queue full)",

@@ -17,13 +17,15 @@ from specdec_core.engine.batched_backend import BatchedBackend
 from specdec_core.engine.hf_backend import HFBackend
 from specdec_core.engine.kvcache import SessionCaches
 from specdec_core.engine.grammar import Grammars
-from specdec_core.engine.models import load_causal_lm, load_tokenizer, resolve_model
+from specdec_core.engine.models import EMBEDDED_MODEL, load_causal_lm, load_tokenizer, resolve_model
 from specdec_core.logs import setup_logging
 from specdec_core.serving.admission import Lanes
 from specdec_core.serving.kvstore import open_tier
 from specdec_core.serving.server import create_server, serve
 from target_service import tensor_parallel as tp
 from target_service.config import TargetConfig
+from target_service.head import EMBEDDED_HEAD, HeadError, load_head
+from target_service.head_drafter import HeadDrafter
 from target_service.servicer import TargetServicer
 from target_service.verifier import BatchVerifier, CoreShare
 
@@ -79,17 +81,44 @@ def _die(exc: BaseException) -> None:
     os._exit(3)
 
 
+def load_drafter(cfg: TargetConfig, backend, grammars: Grammars) -> HeadDrafter | None:
+    """The draft head --head names, checked against the target (a mismatch stops the worker here)."""
+    ref = head_reference(cfg)
+    if ref is None:
+        return None
+    if not isinstance(backend, BatchedBackend):
+        raise SystemExit("--head needs the paged KV cache on one process (not --kv-cache dynamic nor tensor "
+                         "parallelism yet); --head none runs without it")
+    try:
+        head = load_head(ref, backend.model, dtype=backend.torch_dtype)
+    except HeadError as e:
+        raise SystemExit(f"--head {ref}: {e}") from None
+    log.info("draft head %s: EAGLE-3, layers %s, draft vocabulary %d", ref, list(head.config.aux_layer_ids),
+             head.config.draft_vocab_size)
+    return HeadDrafter(head, backend.vocab_size, grammars=grammars)
+
+
+def head_reference(cfg: TargetConfig) -> str | None:
+    if cfg.head == "none" or not cfg.head:
+        return None
+    if cfg.head == "auto":
+        return str(EMBEDDED_HEAD) if cfg.model == EMBEDDED_MODEL and EMBEDDED_HEAD.is_dir() else None
+    return cfg.head
+
+
 def run_server(cfg: TargetConfig, backend, tier=None) -> None:
     caches = SessionCaches(backend, role="target", tier=tier, share_prefixes=cfg.kv_store.prefix_sharing)
     cores = None
     if cfg.solo_threads and cfg.threads and cfg.tensor_parallel_size == 1:
         cores = CoreShare(cfg.threads, cfg.solo_threads)
+    grammars = Grammars(lambda: load_tokenizer(cfg.model, cfg.engine.cache_dir), backend.vocab_size).warm()
     verifier = BatchVerifier(caches, backend.max_context, cfg.batch_window_ms / 1e3, cfg.max_batch, cfg.max_queue,
-                             cores, cfg.prefill_chunk, cfg.prefill_stall, grammars=Grammars(
-                                 lambda: load_tokenizer(cfg.model, cfg.engine.cache_dir), backend.vocab_size).warm())
+                             cores, cfg.prefill_chunk, cfg.prefill_stall, grammars=grammars,
+                             head=load_drafter(cfg, backend, grammars))
     service = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
     server = create_server(Lanes(frozenset({f"/{service}/Verify"}), work=cfg.max_queue))
-    target_pb2_grpc.add_TargetServicer_to_server(TargetServicer(verifier, cfg.model, cfg.tensor_parallel_size), server)
+    target_pb2_grpc.add_TargetServicer_to_server(
+        TargetServicer(verifier, cfg.model, cfg.tensor_parallel_size, head_reference(cfg)), server)
     serve(server, cfg.server, [service])
 
 

@@ -30,6 +30,7 @@ class TargetConfig:
     prefill_chunk: int = 16
     prefill_stall: float = 1.6
     kv_store: KVStoreOptions = KVStoreOptions()
+    head: str = "auto"
 
     def __post_init__(self):
         if self.max_cache_tokens < 1:
@@ -99,10 +100,15 @@ class TargetConfig:
                             "token, more in proportion where more wait than decode (this CPU: 3-6 tokens beside "
                             "4 sessions; a GPU: up to 256). Lower: steadier decoding, slower prefills; 0: always "
                             "--prefill-chunk")
+        p.add_argument("--head", default=env("SPECDEC_TARGET_HEAD", cls.head),
+                       help="an EAGLE-3 draft head beside the target, in the speculators format (a folder or hub "
+                            "id; `specdec train-head` makes one): the coordinator's policy may then draft with it, "
+                            "one Verify call a round. auto: the head shipped for the embedded model when --model is "
+                            "smollm2, else none; none: no head")
         EngineOptions.add_flags(p)
         KVStoreOptions.add_flags(p, "SPECDEC_TARGET")
         ServerOptions.add_flags(p, "SPECDEC_TARGET", port=50052)
         a = p.parse_args(argv)
         return cls(ServerOptions.from_args(a), EngineOptions.from_args(a), a.model, a.dtype, a.device,
                    a.max_cache_tokens, a.tensor_parallel_size, a.dist_timeout, a.kv_cache, a.batch_window_ms, a.max_batch, a.max_queue,
-                   a.threads, a.solo_threads, a.prefill_chunk, a.prefill_stall, KVStoreOptions.from_args(a))
+                   a.threads, a.solo_threads, a.prefill_chunk, a.prefill_stall, KVStoreOptions.from_args(a), a.head)

@@ -25,8 +25,8 @@ optionally, `embed_tokens.weight` (else the target's embedding is used, as vLLM 
 Supported: one layer, Llama-style, with or without norm_before_residual / norm_output. A file that
 asks for more (several layers, norm_before_fc, fc_norm) is refused at load with the field named.
 
-Layer ids follow speculators and vLLM: id i is the residual stream entering decoder layer i (id
-num_layers: the last layer's output, before the final norm).
+Layer ids follow speculators and transformers' `hidden_states`: id i is the residual stream entering
+decoder layer i (id num_layers: the final hidden state, after the final norm).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from torch import nn
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+EMBEDDED_HEAD = Path(__file__).parent / "heads" / "smollm2"  # trained by `specdec train-head` for the embedded model
 
 
 class HeadError(ValueError):
@@ -72,7 +73,7 @@ class HeadConfig:
                    verifier: str | None = None) -> HeadConfig:
         """A head as wide as the target (what EAGLE-3 trains), its layer shaped like the target's."""
         n = target_config.num_hidden_layers
-        ids = tuple(aux_layer_ids) if aux_layer_ids is not None else (2, n // 2, n - 3) if n > 4 else tuple(range(min(3, n)))
+        ids = tuple(aux_layer_ids) if aux_layer_ids is not None else (2, n // 2, n - 3) if n > 5 else (0, n // 2, n)
         heads = target_config.num_attention_heads
         return cls(hidden_size=target_config.hidden_size, intermediate_size=target_config.intermediate_size,
                    num_heads=heads, num_kv_heads=getattr(target_config, "num_key_value_heads", None) or heads,
@@ -210,12 +211,15 @@ class _Layer(nn.Module):
 
 @dataclass
 class HeadState:
-    """One session's head cache: keys/values [kv_heads, capacity, head_dim] of its first `length`
-    positions; `committed` of them are committed pairs (the rest are the last proposal's steps)."""
+    """One session's head cache: keys/values [kv_heads, capacity, head_dim] of `length` entries;
+    the first `committed` are the pairs (g_i, x_{i+1}) for i = offset, offset + 1, ... (the rest are
+    the last proposal's steps). offset > 0: the pairs before it are unknown (a cache the target got
+    without computing it, e.g. a shared prefix), and the head attends over the ones it has."""
     keys: torch.Tensor
     values: torch.Tensor
     length: int = 0
     committed: int = 0
+    offset: int = 0
     hidden: torch.Tensor | None = None  # the head's output at the last committed pair
     logits: torch.Tensor | None = None  # and its draft-vocabulary logits there
 
@@ -325,7 +329,7 @@ class Eagle3Head(nn.Module):
             return
         start = state.length = state.committed
         self._grow(state, start + n)
-        positions = torch.arange(start + 1, start + n + 1)
+        positions = torch.arange(state.offset + start + 1, state.offset + start + n + 1)
         residual, q, k, v = self._qkv(self.fc(aux.to(self.fc.weight.dtype)), self.embed(next_ids), positions)
         state.keys[:, start:start + n] = k
         state.values[:, start:start + n] = v
@@ -339,7 +343,7 @@ class Eagle3Head(nn.Module):
         """One draft step after the committed pairs and the steps before it: (hidden, logits)."""
         at = state.length
         self._grow(state, at + 1)
-        residual, q, k, v = self._qkv(hidden, self.embed(token_id.view(1)), torch.tensor([at + 1]))
+        residual, q, k, v = self._qkv(hidden, self.embed(token_id.view(1)), torch.tensor([state.offset + at + 1]))
         state.keys[:, at:at + 1] = k
         state.values[:, at:at + 1] = v
         out = self._finish(residual, q, state.keys[:, :at + 1], state.values[:, :at + 1], None)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specdec.v1 import target_pb2, target_pb2_grpc
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec_core.errors import grpc_errors
 from specdec_core.limits import validate_session_id
 from specdec_core.serving.server import call_deadline
@@ -11,9 +11,13 @@ from target_service.verifier import BatchVerifier, VerifyTask
 
 
 class TargetServicer(target_pb2_grpc.TargetServicer):
-    def __init__(self, verifier: BatchVerifier, model_name: str, tensor_parallel_size: int = 1):
+    def __init__(self, verifier: BatchVerifier, model_name: str, tensor_parallel_size: int = 1, head: str | None = None):
         self.verifier = verifier
         self.model_info = model_info_to_proto(verifier.caches.backend, model_name, tensor_parallel_size)
+        if verifier.head is not None:
+            self.model_info.head = head or ""
+            self.model_info.head_parameters = sum(
+                p.numel() for n, p in verifier.head.head.named_parameters() if not n.startswith("embed_tokens."))
 
     @grpc_errors
     def Verify(self, request, context):
@@ -29,6 +33,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                 draft_in_flight=request.draft_in_flight,
                 decode_steps=request.decode_steps,
                 stop_ids=frozenset(request.stop_token_ids),
+                head_tokens=request.head_tokens,
             ),
             lambda: not context.is_active(),
             call_deadline(context),
@@ -46,6 +51,10 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             decoded_ids=result.decoded_ids,
             passes=result.passes,
             pass_tokens=result.pass_tokens,
+            head_ids=result.head_ids,
+            head_distributions=[common_pb2.SparseDistribution(token_ids=ids, probs=probs)
+                                for ids, probs in result.head_dists],
+            head_ms=result.head_ms,
         )
 
     @grpc_errors

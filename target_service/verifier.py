@@ -42,9 +42,10 @@ from specdec_core.engine.sampling import (
     validate_sampling,
 )
 from specdec_core.errors import InvalidArgument, ResourceExhausted, SpecdecError
-from specdec_core.limits import MAX_DECODE_STEPS, check_token_ids
+from specdec_core.limits import MAX_DECODE_STEPS, MAX_HEAD_TOKENS, check_token_ids
 from specdec_core.logs import short_id
 from target_service.acceptance import verify_greedy, verify_sampled
+from target_service.head_drafter import HeadDrafter
 
 ALONE_TOKENS = 256  # a pass of long prefills alone takes this many prompt tokens (or --prefill-chunk, if more)
 DECODING_S = 0.25  # a session with a round this recently is decoding: its next call is on its way
@@ -135,6 +136,9 @@ class VerifyResult:
     decoded_ids: list[int] = field(default_factory=list)  # the decoding steps' tokens, after next_token_id
     passes: int = 1  # the verdict's, plus one per decoding step
     pass_tokens: int = 0  # tokens of all the call's passes, all sessions together
+    head_ids: list[int] = field(default_factory=list)  # the head's proposal for the next round
+    head_dists: list[tuple[list[int], list[float]]] = field(default_factory=list)  # when sampling
+    head_ms: float = 0.0  # what drafting them took
 
     def then(self, step: VerifyResult) -> VerifyResult:
         """This result followed by a decoding step's token."""
@@ -156,6 +160,7 @@ class VerifyTask:
     decode_steps: int = 0  # after the verdict, up to this many plain decoding steps, one pass each
     stop_ids: frozenset[int] = frozenset()  # tokens that end the decoding steps
     so_far: VerifyResult | None = None  # a decoding step's: what the call's earlier passes committed
+    head_tokens: int = 0  # after the verdict, the head proposes this many tokens for the next round
 
 
 class CoreShare:
@@ -189,8 +194,11 @@ class BatchVerifier:
     def __init__(self, caches: SessionCaches, max_context: int, window_s: float = 0.001, max_batch: int = 32,
                  max_queue: int = 64, cores: CoreShare | None = None, prefill_chunk: int = 0,
                  prefill_stall: float = 0.0, decoding_s: float = DECODING_S, clock: Callable[[], float] = time.monotonic,
-                 grammars: Grammars | None = None):
+                 grammars: Grammars | None = None, head: HeadDrafter | None = None):
         self.caches = caches
+        self.head = head  # an EAGLE-3 head beside the target (None: head_tokens are refused)
+        if head is not None:
+            caches.backend.capture = head.layer_ids
         self.grammars = grammars  # structured outputs' constraints (None: constrained calls are refused)
         self.prefill = PrefillBudget(prefill_chunk, prefill_stall)  # chunk 0: whole prompts in one pass
         self.decoding_s, self.clock = decoding_s, clock
@@ -248,6 +256,9 @@ class BatchVerifier:
                     results[i] = AGAIN
             feeds = [(seq, tasks[i].committed_ids[len(seq.token_ids):] + tasks[i].draft_ids) for i, seq in leased]
             feeds += [(seq, tasks[i].committed_ids[len(seq.token_ids):][:take]) for i, seq, take in chunked]
+            fed_from = [len(seq.token_ids) for seq, _ in feeds]
+            if self.head is not None:
+                self.caches.backend.captured.clear()
             batch_tokens = sum(len(ids) for _, ids in feeds)
             batch_prefill = batch_tokens - sum(len(tasks[i].draft_ids) for i, _ in leased)
             logits = self.caches.extend_batch(  # logits only where the rule reads them: the last K+1
@@ -266,15 +277,41 @@ class BatchVerifier:
                     continue
                 self.caches.crop(seq, n + num_accepted)  # rejected drafts never stay cached
                 decided.append((i, num_accepted, next_token, logprobs))
+            proposals = self._head_rounds(tasks, leased, chunked, fed_from, decided) if self.head is not None else {}
         compute_ms = (time.perf_counter() - started) * 1e3
         self.prefill.observe(compute_ms, own_rounds, own_tokens, taken)
         metrics.FORWARD_SECONDS.labels("target").observe(compute_ms / 1e3)
         metrics.VERIFY_BATCH.observe(len(leased) + len(chunked))
         for i, num_accepted, next_token, logprobs in decided:
+            head_ids, head_dists, head_ms = proposals.get(i, ([], [], 0.0))
             result = VerifyResult(num_accepted, next_token, prefill[i], compute_ms, len(leased) + len(chunked),
-                                  logprobs, batch_tokens, threads, batch_prefill, pass_tokens=batch_tokens)
+                                  logprobs, batch_tokens, threads, batch_prefill, pass_tokens=batch_tokens,
+                                  head_ids=head_ids, head_dists=head_dists, head_ms=head_ms)
             results[i] = self._next_step(tasks[i], result if tasks[i].so_far is None else tasks[i].so_far.then(result))
         return self._end_together(tasks, results)
+
+    def _head_rounds(self, tasks: list[VerifyTask], leased, chunked, fed_from: list[int], decided
+                     ) -> dict[int, tuple[list[int], list, float]]:
+        """The head takes every fed session's new pairs (the target's features of this pass), then
+        proposes for the calls that asked (a call with head_tokens takes no decoding steps, so its
+        verdict is its answer): {task index: (token ids, distributions, ms)}."""
+        verdicts = {i: (a, token) for i, a, token, _ in decided}
+        items = [(i, seq) for i, seq in leased] + [(i, seq) for i, seq, _ in chunked]
+        captured = self.caches.backend.captured
+        proposals = {}
+        for (i, seq), start, aux in zip(items, fed_from, captured):
+            task = tasks[i]
+            known = task.committed_ids
+            if i in verdicts:
+                a, token = verdicts[i]
+                known = known + task.draft_ids[:a] + [token]
+            self.head.absorb(seq, start, aux, known)
+            if i in verdicts and task.head_tokens > 0:
+                started = time.perf_counter()
+                ids, dists = self.head.propose(seq, known, task.head_tokens, task.sampling, task.seed)
+                proposals[i] = ids, dists, (time.perf_counter() - started) * 1e3
+        captured.clear()
+        return proposals
 
     def _decoding_now(self, rounds: list[str], waiting: set[str]) -> int:
         """Sessions decoding: those with a round in this pass or in the last `decoding_s`, less those
@@ -367,6 +404,13 @@ class BatchVerifier:
             raise InvalidArgument("draft_ids", f"sequence would exceed the model's context of {self.max_context}")
         if not 0 <= task.decode_steps <= MAX_DECODE_STEPS:
             raise InvalidArgument("decode_steps", f"must be in 0..{MAX_DECODE_STEPS}, got {task.decode_steps}")
+        if task.head_tokens:
+            if self.head is None:
+                raise InvalidArgument("head_tokens", "this target worker has no draft head (start it with --head)")
+            if not 0 < task.head_tokens <= MAX_HEAD_TOKENS:
+                raise InvalidArgument("head_tokens", f"must be in 0..{MAX_HEAD_TOKENS}, got {task.head_tokens}")
+            if task.decode_steps:
+                raise InvalidArgument("head_tokens", "a call cannot take both decoding steps and a head proposal")
 
         if task.sampling.is_greedy:
             return

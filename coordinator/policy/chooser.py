@@ -11,17 +11,22 @@ section 3.4, with the costs of `costs.py` at the current load n):
              with overlap, when the bet wins (probability alpha^(K+1)): the larger of the two parts,
              and V_shared (the next block drafts during the pass), else V_solo; a switch to the
              model from another method has no bet to find
+    head     V_solo(n (K + 1)) + o_v + H n K: one call, the target worker's head drafting the next
+             block after the verdict (H: its ms per token, measured), as if every session drafted
+             with it; a switch to the head from another method has no proposal to find (that round
+             is plain)
 
-E is the expected tokens of `acceptance.py`: E(alpha, K) for the model, the runs for suffix decoding. The
+E is the expected tokens of `acceptance.py`: E(alpha, K) for the model and the head (each its own
+alpha), the runs for suffix decoding. The
 model draft is weighed as if every session at this load drafted alike: the draft worker is shared,
 and one session's drafting slows everyone. K = 0 needs no acceptance: its cost is V_solo, which every
 plain pass measures (a call of several passes reports their mean).
 
 Acceptance is per session and per method, starting from what this coordinator's sessions have seen
 lately. Suffix decoding's is scored on every round for free: its lookup for the committed tokens is compared
-with what the target commits. The model draft's is learnt when it drafts; while something else wins,
-it is retried for one round every PROBE_EVERY, and only if an optimistic acceptance would make it the
-best choice at the current costs.
+with what the target commits. The model draft's and the head's are learnt when they draft; while something else
+wins, each is retried for one round every PROBE_EVERY, and only if an optimistic acceptance would make
+it the best choice at the current costs.
 
 With two or more requests running, the costs' gate says whether the draft model may be used at all.
 A sampled request uses FIXED costs, no gate, and its own acceptance, which are functions of its tokens
@@ -48,6 +53,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MODEL_KS = range(1, 9)
+HEAD_KS = range(1, 9)
 SUFFIX_KS = range(1, LOOKUP_TOKENS + 1)
 PROBE_EVERY = 16
 SWITCH_MARGIN = 0.03  # keep the current method unless another is this much better (a switch drops a bet)
@@ -79,10 +85,13 @@ class SpeculationPolicy:
         self.decode_steps = decode_steps  # plain steps a round without a draft takes after its verdict
         self.lookup = lookup or SuffixProposer().continuation  # what a suffix round would propose
         self.alpha = Rate(costs.prior_acceptance())  # the draft model's acceptance
+        self.head_alpha = Rate(costs.prior_head_acceptance())  # the head's
         self.runs = costs.prior_runs()  # suffix decoding's
         self._hit = False  # the last lookup's first token was accepted
         self._lookup: list[int] = []
         self._since_model = 0
+        self._since_head = 0
+        self._head_probe = False  # the last round was a probe of the head: this one verifies its proposal
         self._method = DraftMethod.NONE
         self._last_round: float | None = None  # when the previous round was observed (the gate's clock)
 
@@ -101,10 +110,16 @@ class SpeculationPolicy:
         if max_k <= 0:
             return options[0]
         allowed = self.methods & (self.costs.gate.allowed(self.costs.active) if self.costs.learns else ALL)
+        allowed |= self.methods & {DraftMethod.HEAD}  # the head costs no draft worker: no gate
         options += self._drafting(allowed, max_k)
         best = self._keep_or_switch(options)
         if DraftMethod.MODEL in allowed and best.method != DraftMethod.MODEL:
             best = self._probe(best, max_k)
+        probing, self._head_probe = self._head_probe, False
+        if probing and DraftMethod.HEAD in allowed:  # a probe's second round: the proposal it asked for
+            best = self._hope_head(max_k)
+        elif DraftMethod.HEAD in allowed and best.method not in (DraftMethod.HEAD, DraftMethod.MODEL):
+            best = self._probe_head(best, max_k)
         if best.method == DraftMethod.MODEL:
             self._since_model = 0
             if not model_ready:
@@ -121,10 +136,14 @@ class SpeculationPolicy:
         self.costs.observe(rnd)
         if self.costs.learns:
             self._time(rnd)
-        if rnd.num_drafted and rnd.draft.from_worker:
+        if rnd.num_drafted and (rnd.draft.from_worker or rnd.draft.from_head):
             successes, trials = rnd.num_accepted, min(rnd.num_drafted, rnd.num_accepted + 1)
-            self.alpha.add(successes, trials)
-            self.costs.observe_acceptance(successes, trials)
+            if rnd.draft.from_head:
+                self.head_alpha.add(successes, trials)
+                self.costs.observe_head_acceptance(successes, trials)
+            else:
+                self.alpha.add(successes, trials)
+                self.costs.observe_acceptance(successes, trials)
         if self._lookup:  # scored for free, whatever the round drafted
             seen = min(len(self._lookup), len(rnd.new_ids))
             matched = next((i for i in range(seen) if self._lookup[i] != rnd.new_ids[i]), seen)
@@ -150,6 +169,9 @@ class SpeculationPolicy:
         if DraftMethod.MODEL in allowed:
             alpha = self.alpha.value
             options += [self._model(k, alpha) for k in MODEL_KS if k <= max_k]
+        if DraftMethod.HEAD in allowed:
+            alpha = self.head_alpha.value
+            options += [self._head(k, alpha) for k in HEAD_KS if k <= max_k]
         return options
 
     def _keep_or_switch(self, options: list[Choice]) -> Choice:
@@ -168,6 +190,29 @@ class SpeculationPolicy:
         self._since_model = 0
         hope = max((self._model(k, OPTIMISTIC_ALPHA) for k in MODEL_KS if k <= max_k), key=lambda c: c.gain)
         return hope if hope.gain > best.gain else best
+
+    def _probe_head(self, best: Choice, max_k: int) -> Choice:
+        """Every PROBE_EVERY rounds the head loses, one head round (it asks for a proposal; the round
+        after it verifies it) if OPTIMISTIC_ALPHA would win."""
+        self._since_head += 1
+        if self._since_head < PROBE_EVERY:
+            return best
+        self._since_head = 0
+        hope = self._hope_head(max_k)
+        if hope.gain <= best.gain:
+            return best
+        self._head_probe = True
+        return hope
+
+    def _hope_head(self, max_k: int) -> Choice:
+        return max((self._head(k, OPTIMISTIC_ALPHA) for k in HEAD_KS if k <= max_k), key=lambda c: c.gain)
+
+    def _head(self, k: int, alpha: float) -> Choice:
+        """One call: the block verified in a pass of n sessions' blocks, then the head's next proposal
+        (k steps, for each session of the pass)."""
+        n = self.costs.load
+        ms = self.costs.verify_ms(n * (k + 1), solo=True) + self.costs.head_ms(k) * n
+        return Choice(DraftMethod.HEAD, k, expected_tokens(alpha, k) / ms)
 
     def _suffix(self, k: int, max_k: int) -> Choice:
         """This session's K tokens join a pass of n sessions: what the call serves per session, the

@@ -93,6 +93,7 @@ class Prior:
     # replaces draft_ms_per_token: until the draft is measured, its token costs this share of what the
     # target's pass costs (measured or not), so a draft as large as its target is never expected to pay.
     draft_cost_ratio: float | None = None
+    head_ms_per_token: float = 0.5  # the target worker's head, per draft token (a layer's pass and its sampling)
 
     @classmethod
     def for_models(cls, target_parameters: int, draft_parameters: int) -> Prior:
@@ -119,6 +120,8 @@ class Costs:
         self.gate = MethodGate(modes=GATED)
         # acceptance over every session here: where a new session starts from
         self.acceptance = Rate(OPTIMISTIC_ALPHA, forget=0.98)  # the draft model's
+        self.head_acceptance = Rate(OPTIMISTIC_ALPHA, forget=0.98)  # the target's head's
+        self.head_ms_per_token = prior.head_ms_per_token
         self.runs = Runs(forget=0.98)
         self._lock = threading.Lock()
 
@@ -133,6 +136,8 @@ class Costs:
                 self._line(v.threads).observe(tokens, v.compute_ms / v.passes)
                 self.verify_overhead_ms += s * (max(0.0, rnd.verify_ms - v.compute_ms) - self.verify_overhead_ms)
                 self.batch += s * (v.batch_size - self.batch)
+            if v is not None and v.head is not None:
+                self.head_ms_per_token += s * (v.head_ms / len(v.head.token_ids) - self.head_ms_per_token)
             if (d.from_worker and d.batch_size > 0 and rnd.num_drafted > 0
                     and d.batch_prefill_tokens <= PREFILL_PER_SESSION * d.batch_size):
                 self._draft.observe(d.batch_size, d.compute_ms / max(d.proposed, rnd.num_drafted))
@@ -160,6 +165,11 @@ class Costs:
             with self._lock:
                 self.acceptance.add(successes, trials)
 
+    def observe_head_acceptance(self, successes: int, trials: int) -> None:
+        if trials:
+            with self._lock:
+                self.head_acceptance.add(successes, trials)
+
     def observe_lookup(self, hit: bool, matched: int, seen: int) -> None:
         with self._lock:
             self.runs.add(hit, matched, seen)
@@ -167,6 +177,14 @@ class Costs:
     def prior_acceptance(self) -> float:
         with self._lock:
             return self.acceptance.value
+
+    def prior_head_acceptance(self) -> float:
+        with self._lock:
+            return self.head_acceptance.value
+
+    def head_ms(self, k: int) -> float:
+        """What the head's proposal of k tokens adds to a call."""
+        return k * self.head_ms_per_token
 
     def prior_runs(self) -> Runs:
         with self._lock:
@@ -218,11 +236,20 @@ class PriorCosts:
     def observe_acceptance(self, successes: int, trials: int) -> None:
         pass
 
+    def observe_head_acceptance(self, successes: int, trials: int) -> None:
+        pass
+
     def observe_lookup(self, hit: bool, matched: int, seen: int) -> None:
         pass
 
     def prior_acceptance(self) -> float:
         return OPTIMISTIC_ALPHA
+
+    def prior_head_acceptance(self) -> float:
+        return OPTIMISTIC_ALPHA
+
+    def head_ms(self, k: int) -> float:
+        return k * self.prior.head_ms_per_token
 
     def prior_runs(self) -> Runs:
         return Runs()

@@ -90,7 +90,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "backend", "vocab_size", "max_context", "dtype", "device", "tensor_parallel_size", "num_parameters")
+    __slots__ = ("name", "backend", "vocab_size", "max_context", "dtype", "device", "tensor_parallel_size", "num_parameters", "head", "head_parameters")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,8 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    HEAD_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     backend: str
     vocab_size: int
@@ -107,4 +109,6 @@ class ModelInfo(_message.Message):
     device: str
     tensor_parallel_size: int
     num_parameters: int
-    def __init__(self, name: _Optional[str] = ..., backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., num_parameters: _Optional[int] = ...) -> None: ...
+    head: str
+    head_parameters: int
+    def __init__(self, name: _Optional[str] = ..., backend: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., num_parameters: _Optional[int] = ..., head: _Optional[str] = ..., head_parameters: _Optional[int] = ...) -> None: ...

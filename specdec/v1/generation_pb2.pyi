@@ -15,6 +15,7 @@ class DraftMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DRAFT_METHOD_NGRAM: _ClassVar[DraftMethod]
     DRAFT_METHOD_NONE: _ClassVar[DraftMethod]
     DRAFT_METHOD_SUFFIX: _ClassVar[DraftMethod]
+    DRAFT_METHOD_HEAD: _ClassVar[DraftMethod]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -28,6 +29,7 @@ DRAFT_METHOD_MODEL: DraftMethod
 DRAFT_METHOD_NGRAM: DraftMethod
 DRAFT_METHOD_NONE: DraftMethod
 DRAFT_METHOD_SUFFIX: DraftMethod
+DRAFT_METHOD_HEAD: DraftMethod
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP_TOKEN: FinishReason

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x8d\x02\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_ids\x18\x02 \x03(\x05\x12\x11\n\tdraft_ids\x18\x03 \x03(\x05\x12;\n\x13\x64raft_distributions\x18\x04 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x17\n\x0f\x64raft_in_flight\x18\x07 \x01(\x08\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x08 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\"\xa9\x02\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x15\n\rnext_token_id\x18\x02 \x01(\x05\x12\x16\n\x0eprefill_tokens\x18\x03 \x01(\x05\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs\x12\x14\n\x0c\x62\x61tch_tokens\x18\x07 \x01(\x05\x12\x0f\n\x07threads\x18\x08 \x01(\x05\x12\x1c\n\x14\x62\x61tch_prefill_tokens\x18\t \x01(\x05\x12\x13\n\x0b\x64\x65\x63oded_ids\x18\n \x03(\x05\x12\x0e\n\x06passes\x18\x0b \x01(\x05\x12\x13\n\x0bpass_tokens\x18\x0c \x01(\x05\"/\n\x19ReleaseTargetCacheRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\".\n\x1aReleaseTargetCacheResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x17\n\x15GetTargetModelRequest\">\n\x16GetTargetModelResponse\x12$\n\x05model\x18\x01 \x01(\x0b\x32\x15.specdec.v1.ModelInfo2\x87\x02\n\x06Target\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12\x63\n\x12ReleaseTargetCache\x12%.specdec.v1.ReleaseTargetCacheRequest\x1a&.specdec.v1.ReleaseTargetCacheResponse\x12W\n\x0eGetTargetModel\x12!.specdec.v1.GetTargetModelRequest\x1a\".specdec.v1.GetTargetModelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xa2\x02\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_ids\x18\x02 \x03(\x05\x12\x11\n\tdraft_ids\x18\x03 \x03(\x05\x12;\n\x13\x64raft_distributions\x18\x04 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x17\n\x0f\x64raft_in_flight\x18\x07 \x01(\x08\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x08 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x13\n\x0bhead_tokens\x18\n \x01(\x05\"\x88\x03\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x15\n\rnext_token_id\x18\x02 \x01(\x05\x12\x16\n\x0eprefill_tokens\x18\x03 \x01(\x05\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs\x12\x14\n\x0c\x62\x61tch_tokens\x18\x07 \x01(\x05\x12\x0f\n\x07threads\x18\x08 \x01(\x05\x12\x1c\n\x14\x62\x61tch_prefill_tokens\x18\t \x01(\x05\x12\x13\n\x0b\x64\x65\x63oded_ids\x18\n \x03(\x05\x12\x0e\n\x06passes\x18\x0b \x01(\x05\x12\x13\n\x0bpass_tokens\x18\x0c \x01(\x05\x12\x10\n\x08head_ids\x18\r \x03(\x05\x12:\n\x12head_distributions\x18\x0e \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x0f\n\x07head_ms\x18\x0f \x01(\x01\"/\n\x19ReleaseTargetCacheRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\".\n\x1aReleaseTargetCacheResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x17\n\x15GetTargetModelRequest\">\n\x16GetTargetModelResponse\x12$\n\x05model\x18\x01 \x01(\x0b\x32\x15.specdec.v1.ModelInfo2\x87\x02\n\x06Target\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12\x63\n\x12ReleaseTargetCache\x12%.specdec.v1.ReleaseTargetCacheRequest\x1a&.specdec.v1.ReleaseTargetCacheResponse\x12W\n\x0eGetTargetModel\x12!.specdec.v1.GetTargetModelRequest\x1a\".specdec.v1.GetTargetModelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.target_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERIFYREQUEST']._serialized_start=65
-  _globals['_VERIFYREQUEST']._serialized_end=334
-  _globals['_VERIFYRESPONSE']._serialized_start=337
-  _globals['_VERIFYRESPONSE']._serialized_end=634
-  _globals['_RELEASETARGETCACHEREQUEST']._serialized_start=636
-  _globals['_RELEASETARGETCACHEREQUEST']._serialized_end=683
-  _globals['_RELEASETARGETCACHERESPONSE']._serialized_start=685
-  _globals['_RELEASETARGETCACHERESPONSE']._serialized_end=731
-  _globals['_GETTARGETMODELREQUEST']._serialized_start=733
-  _globals['_GETTARGETMODELREQUEST']._serialized_end=756
-  _globals['_GETTARGETMODELRESPONSE']._serialized_start=758
-  _globals['_GETTARGETMODELRESPONSE']._serialized_end=820
-  _globals['_TARGET']._serialized_start=823
-  _globals['_TARGET']._serialized_end=1086
+  _globals['_VERIFYREQUEST']._serialized_end=355
+  _globals['_VERIFYRESPONSE']._serialized_start=358
+  _globals['_VERIFYRESPONSE']._serialized_end=750
+  _globals['_RELEASETARGETCACHEREQUEST']._serialized_start=752
+  _globals['_RELEASETARGETCACHEREQUEST']._serialized_end=799
+  _globals['_RELEASETARGETCACHERESPONSE']._serialized_start=801
+  _globals['_RELEASETARGETCACHERESPONSE']._serialized_end=847
+  _globals['_GETTARGETMODELREQUEST']._serialized_start=849
+  _globals['_GETTARGETMODELREQUEST']._serialized_end=872
+  _globals['_GETTARGETMODELRESPONSE']._serialized_start=874
+  _globals['_GETTARGETMODELRESPONSE']._serialized_end=936
+  _globals['_TARGET']._serialized_start=939
+  _globals['_TARGET']._serialized_end=1202
 # @@protoc_insertion_point(module_scope)

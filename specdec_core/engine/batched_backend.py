@@ -248,6 +248,11 @@ class BatchedBackend:
         # the model's own attention is the CPU kernel (cpu_kernels.enable): batches use it too
         self._kernel = config._specdec_inner_attention == cpu_kernels.NAME
         self._lean_checked = False
+        # layer ids whose inputs each pass records (an EAGLE-3 head's features, target_service/head.py):
+        # forward_batch appends one [tokens, len(capture) * hidden] tensor per item, in order; the
+        # caller empties the list
+        self.capture: tuple[int, ...] = ()
+        self.captured: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------------------------------
     # CacheBackend
@@ -669,26 +674,30 @@ class BatchedBackend:
         ids = torch.tensor([input_ids], dtype=torch.long, device=dev)
         position_ids = torch.cat(positions).to(dev).unsqueeze(0)
         rows = _kept_rows(items, keep).to(dev)
+        captured: list[torch.Tensor] = []
         if self._lean is not None and self._lean_checked:
-            logits = self._lean(ids, position_ids, view, rows)  # [sum(keep), V]
+            logits = self._lean(ids, position_ids, view, rows, self.capture, captured)  # [sum(keep), V]
         else:
-            logits = self._model_pass(ids, position_ids, view, rows)
+            logits = self._model_pass(ids, position_ids, view, rows, captured)
+        if self.capture:
+            aux = torch.cat(captured, dim=-1)  # [T, len(capture) * hidden]
+            self.captured.extend(aux.split([len(token_ids) for _, token_ids, _ in items]))
         logits = logits if logits.dtype == torch.float64 else logits.float()  # float32 at least
         return list(logits.split(keep))
 
     def _model_pass(self, ids: torch.Tensor, position_ids: torch.Tensor, view: _BatchView,
-                    rows: torch.Tensor) -> torch.Tensor:
+                    rows: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor:
         """The model's own forward over the batch; at the first batch, also the lean pass, which
         is used from then on only if its logits are bit for bit the same (it runs first: the
         model's own pass then writes the pool's keys and values last)."""
-        lean = None
+        lean, lean_captured = None, []
         if self._lean is not None:
             try:
-                lean = self._lean(ids, position_ids, view, rows)
+                lean = self._lean(ids, position_ids, view, rows, self.capture, lean_captured)
             except Exception:  # noqa: BLE001 - a layer the structural check let through; the model's own pass serves
                 log.warning("the lean forward pass failed on this model: this backend keeps the model's", exc_info=True)
                 self._lean = None
-        logits = self.model(
+        out = self.model(
             input_ids=ids,
             position_ids=position_ids,
             attention_mask=self._no_mask,  # 4D: transformers passes it through without building one
@@ -696,9 +705,15 @@ class BatchedBackend:
             use_cache=True,
             logits_to_keep=rows,
             specdec_batch=view,
-        ).logits[0]
+            output_hidden_states=bool(self.capture),
+        )
+        if self.capture:  # hidden_states[i]: the input of layer i (i = num_layers: after the final norm)
+            captured.extend(out.hidden_states[i][0] for i in self.capture)
+        logits = out.logits[0]
         if lean is not None:
             self._lean_checked = torch.equal(lean, logits)
+            if self._lean_checked and self.capture:
+                captured[:] = lean_captured
             if self._lean_checked:
                 self._lean.share()
             else:

@@ -86,6 +86,7 @@ class CachedSequence:
     is_in_use: bool = False
     is_released: bool = False  # released while in use: freed when its lease ends
     saved: int = 0  # tokens whose KV chunks went to the KV tier (a multiple of its chunk size)
+    head: Any = None  # the target worker's draft head's cache for the session (target_service/head_drafter.py)
 
 
 def prefix_hash(prev: bytes, tokens: list[int]) -> bytes:

@@ -83,8 +83,13 @@ class LeanPass:
             f.qkv.share()
             f.gate_up.share()
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, view, rows: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, view, rows: torch.Tensor,
+                 capture: tuple[int, ...] = (), captured: list | None = None) -> torch.Tensor:
+        """capture: layer ids whose input (the residual stream entering them; id num_layers: the
+        model's final hidden state, after the final norm, as transformers' hidden_states has it) is
+        appended to `captured`, [T, hidden] each, in the order of `capture` (what an EAGLE-3 head reads)."""
         h = self.decoder.embed_tokens(input_ids)  # [1, T, hidden]
+        layer_inputs: dict[int, torch.Tensor] = {}
         cos, sin = self.decoder.rotary_emb(h, position_ids=position_ids)  # [1, T, head_dim]
         half = sin.shape[-1] // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
@@ -93,6 +98,8 @@ class LeanPass:
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [1, T, 1, head_dim]: token-major, over heads
         tokens = h.shape[1]
         for i, layer in enumerate(self.layers):
+            if i in capture:
+                layer_inputs[i] = h[0].clone()
             attn, mlp = layer.self_attn, layer.mlp
             d, f = attn.head_dim, self.fused[i] if self.fused else None
             x = layer.input_layernorm.forward(h)
@@ -112,6 +119,9 @@ class LeanPass:
                 x = layer.post_attention_layernorm.forward(h)
                 h = h + mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
         h = self.decoder.norm.forward(h)
+        if capture:
+            layer_inputs[len(self.layers)] = h[0]
+            captured.extend(layer_inputs[i] for i in capture)
         return self.model.lm_head.forward(h[:, rows, :])[0]
 
     @staticmethod

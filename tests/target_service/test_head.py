@@ -2,6 +2,7 @@
 target, and serving steps that compute exactly what training unrolls."""
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -103,3 +104,42 @@ def test_weights_that_do_not_match_the_config_are_refused(target, tmp_path):
         load_head(str(tmp_path), target)
     with pytest.raises(HeadError, match="not a folder"):
         load_head(str(tmp_path / "missing"), target)
+
+
+def test_the_worker_proposes_what_the_head_computes_from_the_whole_sequence(target):
+    """Rounds through the target worker's verifier (head drafts verified, rejected tail cropped, the
+    head following every session with the features of each pass, two sessions batched): after each
+    verdict the proposal equals a fresh head's greedy chain over the target's features of the whole
+    committed sequence, computed apart with the model's own forward."""
+    from specdec_core.engine.batched_backend import BatchedBackend
+    from specdec_core.engine.kvcache import SessionCaches
+    from specdec_core.engine.sampling import SamplingConfig
+    from target_service.head_drafter import HeadDrafter
+    from target_service.verifier import BatchVerifier, VerifyTask
+
+    head = random_head(target, seed=3)
+    backend = BatchedBackend(target)
+    verifier = BatchVerifier(SessionCaches(backend, role="target"), 512, head=HeadDrafter(head, 256))
+    sessions = {"a": [5, 17, 99, 3, 250, 7], "b": [42, 42, 8]}
+    drafts = {"a": [], "b": [9, 9]}  # a wrong draft first: rejected, cropped
+    for _ in range(6):
+        results = {}
+        with ThreadPoolExecutor(2) as pool:
+            for sid, result in zip(sessions, pool.map(lambda s: verifier.verify(VerifyTask(
+                    s, sessions[s], drafts[s], SamplingConfig(), head_tokens=3)), sessions)):
+                results[sid] = result
+        for sid, r in results.items():
+            sessions[sid] = sessions[sid] + drafts[sid][:r.num_accepted] + [r.next_token_id]
+            ids = sessions[sid]
+            with torch.no_grad():
+                hidden = target(torch.tensor([ids]), output_hidden_states=True).hidden_states
+                aux = torch.cat([hidden[i][0] for i in (0, 1)] + [hidden[2][0]], dim=-1)
+            fresh = head.new_state(8)
+            head.extend(fresh, aux[:-1], torch.tensor(ids[1:]))
+            want, h, logits = [], fresh.hidden, fresh.logits
+            for j in range(3):
+                want.append(int(head.to_target(logits[0].argmax())))
+                if j < 2:
+                    h, logits = head.step(fresh, h, torch.tensor(want[-1]))
+            assert r.head_ids == want, (sid, r.head_ids, want)
+            drafts[sid] = r.head_ids if sid == "a" else r.head_ids[:1] + [0]  # b: a rejection every round
