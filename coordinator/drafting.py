@@ -67,7 +67,8 @@ class Drafting:
         takes no plain decoding steps: its first token would wait)."""
         method, k, steps = self._choose(committed_ids, room, first)
         steps = 0 if first else min(steps, room - k)
-        head = max(1, min(k or HEAD_K, room - k - 1)) if method is DraftMethod.HEAD and room - k > 1 else 0
+        # the next round's proposal (this round commits at least one token: it can use room - 1)
+        head = max(0, min(k or HEAD_K, room - 1)) if method is DraftMethod.HEAD else 0
         decode = Decode(0, self.stop_ids, head) if head else Decode(steps, self.stop_ids) if steps > 0 else NO_DECODE
         rnd = self.speculator.round(committed_ids, k, self.proposers.get(method), decode)
         heads = self.proposers.get(DraftMethod.HEAD)

@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from specdec import Client
+from specdec.launcher import free_port
 from specdec_core.engine.sampling import SamplingConfig
 from stacks import chi_square_p_value, exact_two_token_distribution, start_stack
 
@@ -106,11 +107,12 @@ def test_greedy_identical_with_head_drafts_under_batching(stack, hf_greedy):
 @pytest.mark.lossless
 def test_sampled_tokens_with_head_drafts_follow_the_exact_distribution(stack, hf_greedy):
     """STAT_SAMPLES seeded requests at T = 1: the first token is the target's (the first round asks
-    the head for its proposal), the second the head's draft under the accept rule with the head's q.
-    The counts fit the target's exact distribution and reject another temperature's."""
+    the head for its proposal), the second the head's draft under the accept rule with the head's q
+    (a third token is the bonus when it is accepted). The first two tokens' counts fit the target's
+    exact distribution and reject another temperature's."""
     def sample(seed: int) -> tuple[tuple[int, int], int]:
-        r = generate(stack, STAT_IDS, max_new_tokens=2, draft="head", k=1, seed=seed, **STAT_CFG)
-        return tuple(r.token_ids), r.stats["drafted"]
+        r = generate(stack, STAT_IDS, max_new_tokens=3, draft="head", k=1, seed=seed, **STAT_CFG)
+        return tuple(r.token_ids[:2]), r.stats["drafted"]
 
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(sample, range(STAT_SAMPLES)))
@@ -141,6 +143,6 @@ def test_a_head_that_does_not_fit_the_target_stops_the_worker_at_start_up(traine
     LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2)).save_pretrained(other)
     done = subprocess.run([sys.executable, "-m", "target_service", "--model", str(other), "--head",
-                           str(trained / "head"), "--port", "0"], capture_output=True, text=True, timeout=300)
+                           str(trained / "head"), "--port", str(free_port())], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert "does not fit the target" in done.stderr and "target_hidden_size 64 != the target's hidden_size 96" in done.stderr
