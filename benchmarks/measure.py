@@ -29,7 +29,7 @@ import numpy as np
 
 from coordinator.policy import expected_tokens as expected_tokens_per_pass
 
-SPEC_KEYS = ("rounds", "drafted", "accepted", "decoded", "draft_ms", "verify_ms", "overhead_ms")
+SPEC_KEYS = ("rounds", "drafted", "accepted", "decoded", "draft_ms", "verify_ms", "overhead_ms", "head_rounds")
 
 
 @dataclass
@@ -146,6 +146,8 @@ def speculation_stats(requests: list[Request], k: int | None) -> dict | None:
         "acceptance_rate": alpha,
         "mean_accepted_length": (t["accepted"] + passes) / passes,
         "tokens_per_round": (t["accepted"] + passes) / rounds,
+        # a row of head rounds only (head_kK): tokens a round that verified a head proposal commits
+        "head_acceptance_length": (t["accepted"] + t["head_rounds"]) / t["head_rounds"] if t["head_rounds"] else None,
         "verify_ms_per_pass": t["verify_ms"] / passes,
         "mean_k": mean_k,
         "leviathan_expected_length": expected_tokens_per_pass(alpha, k) if alpha is not None and k else None,

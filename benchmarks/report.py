@@ -14,6 +14,7 @@ SUFFIX = "suffix_k10"  # suffix decoding alone (n-gram lookup's successor: "ngra
 FIXED = ("target_k0", *(f"model_k{k}_{o}" for k in (3, 5, 8) for o in ("overlap", "no_overlap")), SUFFIX)
 AGAIN = "target_k0_again"  # target_k0 run twice in one run: the noise of a ratio of rows
 DEFAULT = "default"  # what a request gets unless it asks otherwise: the policy chooses method and K per round
+HEAD_KS = (2, 3, 4, 5, 6)  # head_k{K}: the target worker's EAGLE-3 head alone
 SPECULATIVE = (DEFAULT, *FIXED[1:])
 HF = ("hf_greedy", "hf_prompt_lookup")
 VLLM = "vllm_plain"
@@ -170,6 +171,7 @@ def summarize(rows: list[dict], meta: dict | None = None) -> tuple[dict, dict]:
         "c1_chat_vs_vllm_plain": ratio(tps(rows, "main", "chat", DEFAULT, 1), tps(rows, "main", "chat", VLLM, 1)),
         **memory,
         **repetitive_summary(rows, top, meta),
+        **head_summary(rows, meta),
         **((meta or {}).get("structured") or {}),  # benchmarks/structured.py's keys, from its last run
     }
     return summary, summary_notes(top, best, hf_chosen, sets, at_top)
@@ -192,6 +194,35 @@ def repetitive_summary(rows: list[dict], top: int, meta: dict | None) -> dict:
         "repetitive_c8_suffix_k10_vs_k0": vs_k0("main", REPETITIVE_SET, SUFFIX, top) if top > 1 else None,
         "fresh_stack_default_vs_k0": vs_k0(FRESH, "chat", DEFAULT, 1),
         "suffix_lookup_ms_p99": (lookup.get("lookup_ms") or {}).get("p99"),
+    }
+
+
+def head_summary(rows: list[dict], meta: dict | None) -> dict:
+    """The target worker's head: its best K against K = 0 on chat at c1, its tokens per round at
+    K = 4 (the acceptance length), every head row against K = 0, what a head step costs
+    (benchmarks/head_step.py) and what training it took (the shipped head's training.json)."""
+    def vs_k0(prompt_set: str, config: str, c: int) -> float | None:
+        return ratio(tps(rows, "main", prompt_set, config, c), tps(rows, "main", prompt_set, "target_k0", c))
+
+    def per_round(prompt_set: str, config: str, c: int) -> float | None:
+        s = find(rows, "main", prompt_set, config, c)
+        return s and (s["speculation"] or {}).get("head_acceptance_length")
+
+    levels = sorted({r["concurrency"] for r in rows if r["layout"] == "main"})
+    sets = sorted({r["prompt_set"] for r in rows if r["layout"] == "main" and r["config"].startswith("head_k")})
+    chat_c1 = {k: vs_k0("chat", f"head_k{k}", 1) for k in HEAD_KS}
+    chat_c1 = {k: v for k, v in chat_c1.items() if v is not None}
+    step = (meta or {}).get("head_step") or {}
+    return {
+        "head_c1_chat_vs_k0": max(chat_c1.values(), default=None),
+        "_head_c1_chat_best_k": max(chat_c1, key=chat_c1.get, default=None),
+        "head_acceptance_length_k4": per_round("chat", "head_k4", 1),
+        "_head_vs_k0": {f"{s}_c{c}_k{k}": v for s in sets for c in levels for k in HEAD_KS
+                        if (v := vs_k0(s, f"head_k{k}", c)) is not None},
+        "_head_tokens_per_round": {f"{s}_c{c}_k{k}": v for s in sets for c in levels for k in HEAD_KS
+                                   if (v := per_round(s, f"head_k{k}", c)) is not None},
+        "head_step_vs_target_pass": step.get("head_step_vs_target_pass"),
+        "_head_training": (meta or {}).get("head_training"),
     }
 
 
@@ -337,6 +368,16 @@ def summary_notes(top: int, best: str | None, hf_chosen: dict, sets: list[str], 
                                      "its own, tokens over the sum of request walls, --waves pairs pooled",
         "suffix_lookup_ms_p99": "one suffix lookup at the index's full default size (16 tenants, 1M tokens), p99 "
                                 "(benchmarks/results/suffix_lookup.json, synthetic data)",
+        "head_c1_chat_vs_k0": "chat set, c1: the best head_kK (the target worker's EAGLE-3 head alone, K tokens a "
+                              "round, one Verify call) / target_k0, aggregate tokens/s",
+        "head_acceptance_length_k4": "chat set, c1, head_k4: tokens committed per round that verified a head "
+                                     "proposal (accepted + 1; a request's first round has none and is not counted)",
+        "_head_vs_k0": "every head row / target_k0 (set, level, K)",
+        "_head_tokens_per_round": "the acceptance length of every head row",
+        "head_step_vs_target_pass": "one head draft token's ms / one target decode pass's ms, one session at a "
+                                    "300-token context, in the target worker's code (benchmarks/head_step.py)",
+        "_head_training": "the shipped head's training (target_service/heads/smollm2/training.json): tokens seen, "
+                          "hours, held-out acceptance",
         "concurrency_measured": top,
     }
 

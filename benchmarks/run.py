@@ -75,6 +75,8 @@ SPECDEC = {  # per-request options; "k" is also the K of Leviathan's prediction
     **{f"model_k{k}_{'overlap' if o else 'no_overlap'}": {"draft": "model", "k": k, "overlap": o}
        for k in (3, 5, 8) for o in (True, False)},
     "suffix_k10": {"draft": "suffix", "k": 10},  # suffix decoding alone, 10 tokens at most a round
+    # the target worker's EAGLE-3 head alone (target_service/heads/smollm2), K tokens a round
+    **{f"head_k{k}": {"draft": "head", "k": k} for k in (2, 3, 4, 5, 6)},
     # one token per Verify call (--decode-steps 0 for this request): what multi-step decoding saves
     "target_k0_one_step": {"draft": "none", "k": 0, "decode_steps": 0},
     "default_one_step": {"draft": "default", "k": None, "decode_steps": 0},
@@ -531,6 +533,16 @@ def suffix_lookup(progress: Progress) -> dict | None:
             "index_memory_mb": full["index_memory_mb"]}
 
 
+def head_figures() -> tuple[dict | None, dict | None]:
+    """(benchmarks/head_step.py's last results, the shipped head's training figures)."""
+    step, training = HERE / "results" / "head_step.json", HERE.parent / "target_service" / "heads" / "smollm2" / "training.json"
+    figures = json.loads(training.read_text()) if training.exists() else None
+    keep = ("tokens_seen", "training_hours", "conversations", "train_tokens", "acceptance_length", "accuracy_by_step",
+            "held_out_positions", "draft_vocab", "ttt_steps", "device")
+    return (json.loads(step.read_text()) if step.exists() else None,
+            figures and {k: figures.get(k) for k in keep})
+
+
 def structured_summary() -> dict | None:
     """The summary keys of benchmarks/structured.py's last run (structured_c1_default_vs_k0,
     grammar_ms_per_token, ...), carried into this run's summary; None when it has not run."""
@@ -548,6 +560,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine_at_start": machine(), "argv": sys.argv[1:],
             "plan": plan.__dict__, "specdec_configs": SPECDEC, "logs": str(log_dir), "target": target_footprint(),
             "suffix_lookup": lookup, "structured": structured_summary()}
+    meta["head_step"], meta["head_training"] = head_figures()
     tokens = stacks.TenantTokens(tenants(plan), log_dir / "auth_tokens")
     def save(rows: list[dict], final: bool = False) -> list[Path]:
         meta.update(finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"), wall_s=progress.elapsed(),

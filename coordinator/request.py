@@ -119,6 +119,7 @@ class Stats:
     max_verify_batch_size: int = 0
     model_rounds: int = 0  # rounds drafted by the draft model
     suffix_rounds: int = 0  # by suffix decoding
+    head_rounds: int = 0  # by the target worker's head
     decoded: int = 0  # tokens the target decoded in plain steps after a verdict (one pass each)
     generated: int = 0  # tokens committed
     requests: int = 0  # requests served (a session's count)
@@ -133,7 +134,8 @@ class Stats:
         self.max_verify_batch_size = max(self.max_verify_batch_size, rnd.verify_batch_size)
         if rnd.num_drafted:
             self.model_rounds += rnd.draft.from_worker
-            self.suffix_rounds += not rnd.draft.from_worker
+            self.head_rounds += rnd.draft.from_head
+            self.suffix_rounds += not (rnd.draft.from_worker or rnd.draft.from_head)
         self.decoded += len(rnd.verdict.decoded_ids) if rnd.verdict is not None else 0
         self.generated += num_committed
 

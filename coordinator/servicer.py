@@ -80,7 +80,7 @@ def stats_to_proto(s: Stats) -> pb.SpeculationStats:
         mean_accepted_length=(s.accepted + s.rounds) / s.rounds if s.rounds else 0.0,
         wall_ms=s.wall_ms, draft_ms=s.draft_ms, verify_ms=s.verify_ms, overhead_ms=overhead,
         last_k=s.last_k, max_verify_batch_size=s.max_verify_batch_size, model_rounds=s.model_rounds,
-        suffix_rounds=s.suffix_rounds, decoded=s.decoded,
+        suffix_rounds=s.suffix_rounds, head_rounds=s.head_rounds, decoded=s.decoded,
     )
 
 

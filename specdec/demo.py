@@ -106,9 +106,10 @@ def identity(c: Comparison) -> str:
 
 def policy_used(stats: dict) -> str:
     """Which drafting method the rounds used, e.g. "policy: suffix for 31 of 40 rounds, ..."."""
-    rounds, suffix, model = (stats.get(key, 0) for key in ("rounds", "suffix_rounds", "model_rounds"))
-    return (f"policy: suffix for {suffix} of {rounds} rounds, the draft model for {model}, "
-            f"no draft for {rounds - suffix - model}")
+    rounds, suffix, model, head = (stats.get(key, 0) for key in ("rounds", "suffix_rounds", "model_rounds",
+                                                                  "head_rounds"))
+    return (f"policy: the target's draft head for {head} of {rounds} rounds, suffix for {suffix}, the draft model "
+            f"for {model}, no draft for {rounds - suffix - model - head}")
 
 
 def summarize(comparisons: dict[str, Comparison]) -> None:

@@ -101,8 +101,9 @@ def load_drafter(cfg: TargetConfig, backend, grammars: Grammars) -> HeadDrafter 
 def head_reference(cfg: TargetConfig) -> str | None:
     if cfg.head == "none" or not cfg.head:
         return None
-    if cfg.head == "auto":
-        return str(EMBEDDED_HEAD) if cfg.model == EMBEDDED_MODEL and EMBEDDED_HEAD.is_dir() else None
+    if cfg.head == "auto":  # the shipped head, where it can run
+        fits = cfg.model == EMBEDDED_MODEL and cfg.kv_cache == "paged" and cfg.tensor_parallel_size == 1
+        return str(EMBEDDED_HEAD) if fits and EMBEDDED_HEAD.is_dir() else None
     return cfg.head
 
 

@@ -149,7 +149,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., session_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "wall_ms", "draft_ms", "verify_ms", "overhead_ms", "last_k", "max_verify_batch_size", "model_rounds", "suffix_rounds", "decoded")
+    __slots__ = ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "wall_ms", "draft_ms", "verify_ms", "overhead_ms", "last_k", "max_verify_batch_size", "model_rounds", "suffix_rounds", "head_rounds", "decoded")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +163,7 @@ class SpeculationStats(_message.Message):
     MAX_VERIFY_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DECODED_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     drafted: int
@@ -177,8 +178,9 @@ class SpeculationStats(_message.Message):
     max_verify_batch_size: int
     model_rounds: int
     suffix_rounds: int
+    head_rounds: int
     decoded: int
-    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., wall_ms: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., last_k: _Optional[int] = ..., max_verify_batch_size: _Optional[int] = ..., model_rounds: _Optional[int] = ..., suffix_rounds: _Optional[int] = ..., decoded: _Optional[int] = ...) -> None: ...
+    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., wall_ms: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., last_k: _Optional[int] = ..., max_verify_batch_size: _Optional[int] = ..., model_rounds: _Optional[int] = ..., suffix_rounds: _Optional[int] = ..., head_rounds: _Optional[int] = ..., decoded: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("session_id", "text", "token_ids", "finish_reason", "usage", "stats", "logprobs")

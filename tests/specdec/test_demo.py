@@ -42,7 +42,8 @@ def test_each_speculative_run_comes_before_its_target_alone_run_and_after_the_ea
         client.calls.index(("generate", p, "default")) for p in earlier)
     err = capsys.readouterr().err
     assert err.count("output identical (4 tokens)") == 2
-    assert "policy: suffix for 0 of 2 rounds, the draft model for 1, no draft for 1" in err  # no suffix_rounds key
+    assert ("policy: the target's draft head for 0 of 2 rounds, suffix for 0, the draft model for 1, no draft for 1"
+            in err)  # no suffix_rounds or head_rounds key
 
 
 def test_a_greedy_answer_that_changes_under_speculation_is_reported_as_a_bug(capsys):
