@@ -49,7 +49,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     model = load_causal_lm(a.target, EngineOptions.from_env())
     backend = BatchedBackend(model)
-    head = load_head(str(EMBEDDED_HEAD) if a.head == "auto" else a.head, model)
+    head = load_head(str(EMBEDDED_HEAD) if a.head == "auto" else a.head, model).for_cpu()  # as the worker runs it
     drafter = HeadDrafter(head, backend.vocab_size)
     verifier = BatchVerifier(SessionCaches(backend, role="target"), backend.max_context, head=drafter)
     ids = [int(t) for t in torch.randint(100, 20000, (a.context,), generator=torch.Generator().manual_seed(0))]
@@ -75,14 +75,14 @@ def main() -> None:
         head.rollback(state, state.committed - 1)
         del seq.head.tokens[-1:]
         started = time.perf_counter()
-        drafter.absorb(seq, len(ids) - 2, aux, ids)
+        drafter.absorb(seq, len(ids) - 2, aux, ids, now=True)
         absorbs.append((time.perf_counter() - started) * 1e3)
     target_ms, head_ms, absorb_ms = (statistics.median(x) for x in (passes, heads, absorbs))
     out = {"generated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "target": a.target, "context": a.context,
            "threads": a.threads, "tokens": a.tokens, "repeats": a.repeats,
            "target_pass_ms": target_ms, "head_ms_per_token": head_ms, "absorb_pair_ms": absorb_ms,
            "head_step_vs_target_pass": head_ms / target_ms,
-           "head_parameters": sum(p.numel() for n, p in head.named_parameters() if not n.startswith("embed_tokens.")),
+           "head_parameters": head.num_parameters,
            "target_parameters": backend.num_parameters}
     a.out.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out, indent=1))

@@ -93,8 +93,10 @@ def load_drafter(cfg: TargetConfig, backend, grammars: Grammars) -> HeadDrafter 
         head = load_head(ref, backend.model, dtype=backend.torch_dtype)
     except HeadError as e:
         raise SystemExit(f"--head {ref}: {e}") from None
-    log.info("draft head %s: EAGLE-3, layers %s, draft vocabulary %d", ref, list(head.config.aux_layer_ids),
-             head.config.draft_vocab_size)
+    if backend.device.type == "cpu":
+        head = head.for_cpu()
+    log.info("draft head %s: EAGLE-3, layers %s, draft vocabulary %d%s", ref, list(head.config.aux_layer_ids),
+             head.config.draft_vocab_size, ", int8 linears" if backend.device.type == "cpu" else "")
     return HeadDrafter(head, backend.vocab_size, grammars=grammars)
 
 

@@ -41,10 +41,14 @@ from specdec_core.errors import SpecdecError
 from target_service.head import Eagle3Head, HeadState
 
 
+MAX_PENDING = 4096  # target features a session keeps for its head before it asks for a proposal (7 KB each here)
+
+
 @dataclass
 class HeadSession:
     state: HeadState
     tokens: list[int]  # x_{i+1} of each committed pair, in order (pair j is i = state.offset + j)
+    pending: torch.Tensor | None = None  # g rows of the positions after the pairs, not absorbed yet
 
 
 class HeadDrafter:
@@ -56,35 +60,51 @@ class HeadDrafter:
         self.layer_ids = tuple(head.config.aux_layer_ids)
         self._targets = head.to_target(torch.arange(head.config.draft_vocab_size))  # draft id -> target id
 
-    def absorb(self, seq, fed_start: int, aux: torch.Tensor, known_ids: list[int]) -> None:
+    def absorb(self, seq, fed_start: int, aux: torch.Tensor, known_ids: list[int], now: bool = False) -> None:
         """After a pass that fed the session's positions fed_start.. (features `aux`, one row each):
-        the head takes the pairs (g_i, x_{i+1}) for every position i its target cache now holds,
-        x from known_ids (the committed tokens, the verdict's included)."""
+        keep the features of the positions its target cache now holds, and with `now` (a proposal
+        follows) let the head take the pairs (g_i, x_{i+1}) of all of them, x from known_ids (the
+        committed tokens, the verdict's included). Until a session asks for a proposal its features
+        only wait (at most MAX_PENDING positions, the latest), so sessions that never draft with the
+        head pay no head pass."""
         started = time.perf_counter()
-        end = min(len(seq.token_ids), len(known_ids) - 1)  # pairs i < end: g_i cached, x_{i+1} known
         session = seq.head
         if session is None:
-            session = seq.head = HeadSession(self.head.new_state(max(64, end)), [])
+            session = seq.head = HeadSession(self.head.new_state(64), [])
         state = session.state
-        # keep the pairs that are still true: below fed_start (their g is still the cache's) and whose
+        # the pairs that are still true: below fed_start (their g is still the cache's) and whose
         # next token is still the committed one
-        keep = 0
-        limit = min(state.committed, fed_start - state.offset)
+        keep, limit = 0, min(state.committed, fed_start - state.offset)
         while keep < limit and session.tokens[keep] == known_ids[state.offset + keep + 1]:
             keep += 1
         if keep < state.committed:
             self.head.rollback(state, keep)
             del session.tokens[keep:]
+            session.pending = None
         covered = state.offset + state.committed
-        if covered < fed_start:  # a gap (positions the target did not compute here): start after it
-            self.head.rollback(state, 0)
-            session.tokens.clear()
-            state.offset = covered = fed_start
-        if end > covered:
-            rows = aux[covered - fed_start:end - fed_start]
-            self.head.extend(state, rows, torch.tensor(known_ids[covered + 1:end + 1]))
-            session.tokens.extend(known_ids[covered + 1:end + 1])
+        waiting = 0 if session.pending is None else min(len(session.pending), max(0, fed_start - covered))
+        if covered + waiting < fed_start:  # a gap (positions the target did not compute here): start after it
+            self._restart(session, fed_start)
+            covered, waiting = fed_start, 0
+        rows = aux[:max(0, len(seq.token_ids) - fed_start)]
+        pending = rows if not waiting else torch.cat([session.pending[:waiting], rows])
+        if len(pending) > MAX_PENDING:  # the oldest go: the head starts after them
+            self._restart(session, covered + len(pending) - MAX_PENDING)
+            covered, pending = state.offset, pending[-MAX_PENDING:]
+        session.pending = pending
+        if now:
+            n = min(len(pending), len(known_ids) - 1 - covered)  # pairs whose next token is known
+            if n > 0:
+                self.head.extend(state, pending[:n], torch.tensor(known_ids[covered + 1:covered + 1 + n]))
+                session.tokens.extend(known_ids[covered + 1:covered + 1 + n])
+                session.pending = pending[n:]
         metrics.HEAD_SECONDS.labels("absorb").inc(time.perf_counter() - started)
+
+    def _restart(self, session: HeadSession, offset: int) -> None:
+        self.head.rollback(session.state, 0)
+        session.tokens.clear()
+        session.pending = None
+        session.state.offset = offset
 
     def propose(self, seq, committed_ids: list[int], k: int, sampling: SamplingConfig, seed: int
                 ) -> tuple[list[int], list[SparseDist]]:
@@ -92,7 +112,7 @@ class HeadDrafter:
         sampling the distribution each was drawn from. Nothing when the head does not follow the
         session up to its last token."""
         session = seq.head
-        if k <= 0 or session is None or session.state.hidden is None:
+        if k <= 0 or session is None or session.state.last is None:
             return [], []
         state = session.state
         if state.offset + state.committed != len(committed_ids) - 1:
@@ -100,7 +120,7 @@ class HeadDrafter:
         started = time.perf_counter()
         tokens: list[int] = []
         dists: list[SparseDist] = []
-        hidden, logits = state.hidden, state.logits
+        hidden, logits = self.head.output(state)
         try:
             for j in range(k):
                 token, dist = self._choose(logits[0], sampling, committed_ids + tokens, seed, len(committed_ids) + j)
@@ -119,6 +139,8 @@ class HeadDrafter:
 
     def _choose(self, draft_logits: torch.Tensor, cfg: SamplingConfig, context: list[int], seed: int,
                 position: int) -> tuple[int | None, SparseDist | None]:
+        if cfg.is_greedy and not cfg.adjusts_logits:  # the draft vocabulary's argmax is the answer
+            return int(self._targets[int(draft_logits.argmax())]), None
         full = torch.full((1, self.vocab_size), float("-inf"), dtype=torch.float32)
         full[0, self._targets] = draft_logits.float()
         full = adjust_logits(full, cfg, context if cfg.adjusts_logits else (), self.grammars)

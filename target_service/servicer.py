@@ -16,8 +16,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         self.model_info = model_info_to_proto(verifier.caches.backend, model_name, tensor_parallel_size)
         if verifier.head is not None:
             self.model_info.head = head or ""
-            self.model_info.head_parameters = sum(
-                p.numel() for n, p in verifier.head.head.named_parameters() if not n.startswith("embed_tokens."))
+            self.model_info.head_parameters = verifier.head.head.num_parameters
 
     @grpc_errors
     def Verify(self, request, context):

@@ -305,8 +305,9 @@ class BatchVerifier:
             if i in verdicts:
                 a, token = verdicts[i]
                 known = known + task.draft_ids[:a] + [token]
-            self.head.absorb(seq, start, aux, known)
-            if i in verdicts and task.head_tokens > 0:
+            wants = i in verdicts and task.head_tokens > 0
+            self.head.absorb(seq, start, aux, known, now=wants)
+            if wants:
                 started = time.perf_counter()
                 ids, dists = self.head.propose(seq, known, task.head_tokens, task.sampling, task.seed)
                 proposals[i] = ids, dists, (time.perf_counter() - started) * 1e3

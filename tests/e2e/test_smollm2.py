@@ -56,6 +56,27 @@ def test_greedy_identical_to_transformers_generate(smollm2_stack, reference):
 
 
 @pytest.mark.lossless
+def test_the_shipped_head_drafts_and_keeps_greedy_output_identical(smollm2_stack, reference):
+    """The EAGLE-3 head shipped for the embedded model (target_service/heads/smollm2, loaded by
+    --head auto): head rounds, three sessions at once, give transformers' greedy answer token for
+    token, and the head's drafts are accepted as a trained head's are (held-out: benchmarks/README.md)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tokenizer = load_tokenizer("smollm2", ENGINE.cache_dir)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"] for p in PROMPTS]
+    with Client(smollm2_stack.address("coordinator"), timeout_s=300) as client:
+        assert client.describe().target.head.endswith("heads/smollm2")
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(lambda ids: client.generate(ids, max_new_tokens=64, draft="head", k=4,
+                                                                stop_token_ids=[], end_session=True), prompts))
+    for ids, result in zip(prompts, results):
+        assert result.token_ids == reference(ids, 64)
+    drafted, accepted = (sum(r.stats[key] for r in results) for key in ("drafted", "accepted"))
+    assert accepted > 0.2 * drafted, (accepted, drafted)
+
+
+@pytest.mark.lossless
 @pytest.mark.openai
 def test_openai_api_logprobs_and_greedy_identity_on_the_real_model(smollm2_stack, reference):
     """Through the OpenAI SDK, greedy output with a repetition penalty is transformers' own; every

@@ -43,19 +43,19 @@ def test_serving_steps_compute_what_training_unrolls(target):
     for cuts in ([t + 1], [3, t + 1], [1, 2, 6, t + 1]):
         state, start = head.new_state(capacity=2), 0
         for cut in cuts:
-            head.step(head.new_state(1) if state.hidden is None else state, state.hidden if state.hidden is not None
+            head.step(head.new_state(1) if state.last is None else state, head.output(state)[0] if state.last is not None
                       else torch.zeros(1, 64), ids[start])  # a proposal's step, dropped by the next extend
             head.extend(state, aux[start:cut], ids[start:cut])
             start = cut
         assert state.committed == t + 1
-        torch.testing.assert_close(state.logits[0], unrolled[0][t], rtol=1e-4, atol=1e-5)
-        hidden, logits = head.step(state, state.hidden, ids[t + 1])
+        torch.testing.assert_close(head.output(state)[1][0], unrolled[0][t], rtol=1e-4, atol=1e-5)
+        hidden, logits = head.step(state, head.output(state)[0], ids[t + 1])
         torch.testing.assert_close(logits[0], unrolled[1][t], rtol=1e-4, atol=1e-5)
         _, logits = head.step(state, hidden, ids[t + 2])
         torch.testing.assert_close(logits[0], unrolled[2][t], rtol=1e-4, atol=1e-5)
         head.rollback(state, t)  # a session cut back: the same pair again gives the same output
         head.extend(state, aux[t:t + 1], ids[t:t + 1])
-        torch.testing.assert_close(state.logits[0], unrolled[0][t], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(head.output(state)[1][0], unrolled[0][t], rtol=1e-4, atol=1e-5)
 
 
 def test_speculators_format_round_trip(target, tmp_path):
@@ -73,7 +73,7 @@ def test_speculators_format_round_trip(target, tmp_path):
     a, b = head.new_state(8), loaded.new_state(8)
     head.extend(a, aux, ids)
     loaded.extend(b, aux, ids)
-    assert torch.equal(a.logits, b.logits)
+    assert torch.equal(head.output(a)[1], loaded.output(b)[1])
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -136,7 +136,7 @@ def test_the_worker_proposes_what_the_head_computes_from_the_whole_sequence(targ
                 aux = torch.cat([hidden[i][0] for i in (0, 1)] + [hidden[2][0]], dim=-1)
             fresh = head.new_state(8)
             head.extend(fresh, aux[:-1], torch.tensor(ids[1:]))
-            want, h, logits = [], fresh.hidden, fresh.logits
+            want, (h, logits) = [], head.output(fresh)
             for j in range(3):
                 want.append(int(head.to_target(logits[0].argmax())))
                 if j < 2:
