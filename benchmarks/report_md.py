@@ -5,7 +5,8 @@ from __future__ import annotations
 SERVICES = {"draft": "d", "target": "t", "coordinator": "c", "redis": "r", "benchmark_process": "bench"}
 SUMMARY_FORMAT = {"overhead_ms_per_round": "{:.1f} ms", "target_peak_rss_c8_mb": "{:.0f} MB",
                   "target_rss_bound_c8_mb": "{:.0f} MB", "c8_chat_roofline_fraction": "{:.2f}",
-                  "suffix_lookup_ms_p99": "{:.2f} ms"}
+                  "suffix_lookup_ms_p99": "{:.2f} ms", "_head_c1_chat_best_k": "K = {:.0f}",
+                  "head_acceptance_length_k4": "{:.2f} tokens", "head_step_vs_target_pass": "{:.1%}"}
 QUICK = ["**--quick run: a harness check (2 prompts per set, 32 new tokens), not a measurement.**", ""]
 COLUMNS = ("configuration", "c", "tok/s aggregate", "tok/s per request", "vs target_k0", "TTFT p50 / p99 ms",
            "ITL p50 / p99 ms", "acceptance", "tokens per pass: measured / Leviathan",
@@ -32,8 +33,10 @@ def markdown(result: dict) -> str:
         "|---|---|---|",
     ]
     for key, value in result["summary"].items():
-        if isinstance(value, dict):  # a breakdown of the key above it
-            shown = ", ".join(f"{k} {'n/a' if v is None else f'{v:.2f}x'}" for k, v in value.items())
+        if isinstance(value, dict) and all(v is None or isinstance(v, (int, float)) for v in value.values()):
+            shown = ", ".join(f"{k} {'n/a' if v is None else f'{v:.2f}x'}" for k, v in value.items())  # ratios
+        elif isinstance(value, dict):  # figures of several kinds (e.g. a training's)
+            shown = "; ".join(f"{k} {_figure(v)}" for k, v in value.items())
         elif isinstance(value, str):
             shown = value
         else:
@@ -89,3 +92,13 @@ def _memory(memory: dict) -> str:
 
 def _load(m: dict) -> str:
     return ", ".join(f"{x:.1f}" for x in m["loadavg"])
+
+
+def _figure(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_figure(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_figure(x) for x in v) + "]"
+    return str(v)
