@@ -112,6 +112,23 @@ def exact_two_token_distribution(model, prompt_ids: list[int], cfg) -> dict[tupl
     return out
 
 
+def assert_target_distribution(counts: dict, model, prompt_ids: list[int], temperature: float, top_k: int,
+                               samples: int) -> None:
+    """The first two output tokens' counts fit the target's exact distribution at this temperature and
+    top-k, and reject the one at half the temperature (so the test can tell them apart)."""
+    from specdec_core.engine.sampling import SamplingConfig
+
+    exact = exact_two_token_distribution(model, prompt_ids, SamplingConfig(
+        temperature=temperature, top_k=top_k, output_start=len(prompt_ids)))
+    p_value = chi_square_p_value(counts, exact, samples)
+    print(f"chi-square p = {p_value:.3f} over {len(exact)} cells, {samples} samples")
+    assert p_value > 1e-3, (p_value, sorted(counts.items(), key=lambda kv: -kv[1])[:8],
+                            sorted(exact.items(), key=lambda kv: -kv[1])[:8])
+    colder = exact_two_token_distribution(model, prompt_ids, SamplingConfig(
+        temperature=temperature / 2, top_k=top_k, output_start=len(prompt_ids)))
+    assert chi_square_p_value(counts, colder, samples) < 1e-6
+
+
 def chi_square_p_value(counts: dict, expected: dict, total: int) -> float:
     """Pearson's test; cells expected fewer than 5 times are pooled (and anything never expected
     counts against the fit)."""

@@ -19,8 +19,7 @@ import pytest
 
 from specdec import Client
 from specdec.launcher import free_port
-from specdec_core.engine.sampling import SamplingConfig
-from stacks import chi_square_p_value, exact_two_token_distribution, start_stack
+from stacks import assert_target_distribution, start_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -118,14 +117,7 @@ def test_sampled_tokens_with_head_drafts_follow_the_exact_distribution(stack, hf
         results = list(pool.map(sample, range(STAT_SAMPLES)))
     assert all(drafted == 1 for _, drafted in results)
     counts = Counter(pair for pair, _ in results)
-    cfg = SamplingConfig(**STAT_CFG, output_start=len(STAT_IDS))
-    exact = exact_two_token_distribution(hf_greedy.model, STAT_IDS, cfg)
-    p_value = chi_square_p_value(counts, exact, STAT_SAMPLES)
-    print(f"chi-square p = {p_value:.3f} over {len(exact)} cells, {STAT_SAMPLES} samples")
-    assert p_value > 1e-3, (p_value, counts.most_common(8), sorted(exact.items(), key=lambda kv: -kv[1])[:8])
-    colder = exact_two_token_distribution(hf_greedy.model, STAT_IDS, SamplingConfig(
-        temperature=0.5, top_k=STAT_CFG["top_k"], output_start=len(STAT_IDS)))
-    assert chi_square_p_value(counts, colder, STAT_SAMPLES) < 1e-6
+    assert_target_distribution(counts, hf_greedy.model, STAT_IDS, samples=STAT_SAMPLES, **STAT_CFG)
 
 
 def test_asking_for_the_head_where_the_target_has_none_is_invalid_argument(tiny_stack):
