@@ -72,8 +72,10 @@ def test_the_shipped_head_drafts_and_keeps_greedy_output_identical(smollm2_stack
                                                                 stop_token_ids=[], end_session=True), prompts))
     for ids, result in zip(prompts, results):
         assert result.token_ids == reference(ids, 64)
-    drafted, accepted = (sum(r.stats[key] for r in results) for key in ("drafted", "accepted"))
-    assert accepted > 0.2 * drafted, (accepted, drafted)
+    # a trained head's first token is right in ~30% of the rounds on such prompts, a random head's
+    # almost never (a 49k-token vocabulary)
+    rounds, accepted = (sum(r.stats[key] for r in results) for key in ("head_rounds", "accepted"))
+    assert rounds > 0 and accepted > 0.1 * rounds, (accepted, rounds)
 
 
 @pytest.mark.lossless
