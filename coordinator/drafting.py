@@ -7,9 +7,7 @@ round whose verdict brought none (the first of a request, or after another metho
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from coordinator.loop import NO_DECODE, NO_DRAFT, Decode, Draft, Proposer, Round, Speculator, Verdict
+from coordinator.loop import NO_DECODE, NO_DRAFT, Bet, Decode, Draft, Proposer, Round, Speculator, Verdict
 from coordinator.policy import SpeculationPolicy
 from coordinator.policy.chooser import Lookup
 from coordinator.request import DraftMethod, GenerationRequest, RequestContext
@@ -18,23 +16,19 @@ HEAD_K = 4  # head tokens a round asks for when its own K says nothing (a plain 
 
 
 class HeadProposals:
-    """A request's head proposals: the one the last verdict brought, proposed if the next round
-    follows exactly the committed tokens it was made after."""
+    """A request's head proposals: the one the last verdict brought, made after the committed tokens
+    of that round (a `Bet` on them, which the next round's committed tokens are)."""
 
     def __init__(self):
-        self._after: list[int] | None = None  # the committed tokens it follows (the last few)
-        self._length = 0
-        self._draft = NO_DRAFT
+        self._bet: Bet | None = None
 
     def keep(self, committed_ids: list[int], verdict: Verdict | None) -> None:
         head = verdict.head if verdict is not None else None
-        self._after, self._length, self._draft = (committed_ids[-8:], len(committed_ids), head) if head else (None, 0, NO_DRAFT)
+        self._bet = Bet.made_after(committed_ids, head) if head else None
 
     def propose(self, ctx: RequestContext, committed_ids: list[int], num_tokens: int) -> Draft:
-        if self._after is None or len(committed_ids) != self._length or committed_ids[-8:] != self._after:
-            return NO_DRAFT
-        d = self._draft
-        return replace(d, token_ids=d.token_ids[:num_tokens], dists=d.dists[:num_tokens])
+        block = self._bet.block_after(committed_ids) if self._bet is not None else None
+        return NO_DRAFT if block is None else block.first(num_tokens)
 
 
 def fixed_choice(req: GenerationRequest, default_k: int, has_model: bool) -> tuple[DraftMethod, int]:

@@ -51,6 +51,10 @@ class Draft:
     from_head: bool = False  # proposed by the target worker's head with the last verdict
     drafting_meanwhile: bool = False  # a draft worker drafts for this session while this is verified
 
+    def first(self, k: int) -> Draft:
+        """Its first k tokens (and their distributions)."""
+        return replace(self, token_ids=self.token_ids[:k], dists=self.dists[:k])
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -118,7 +122,7 @@ class Speculator:
         self.proposer = proposer
         self.verifier = verifier
         self.executor = executor  # None: no overlap
-        self._bet: _Bet | None = None
+        self._bet: Bet | None = None
         self._warmup: _WarmUp | None = None
         self._warmed = False  # the draft has been asked for this session
         self.bets_won = 0
@@ -153,7 +157,7 @@ class Speculator:
         elif pending is not None:
             bet = pending.result()
             prefix = committed_ids + draft.token_ids
-            self._bet = _Bet(len(prefix), prefix[-8:], bet)
+            self._bet = Bet.made_after(prefix, bet)
         done = time.perf_counter()
         return Round(
             new_ids=new_ids,
@@ -229,7 +233,7 @@ class Speculator:
     def _take_bet(self, committed_ids: list[int], k: int) -> Draft | None:
         if self._warmup is not None and self._warmup.proposal.done():
             warmup, self._warmup = self._warmup, None
-            self._bet = _Bet(warmup.length, warmup.tail, warmup.proposal.result())
+            self._bet = Bet(warmup.length, warmup.tail, warmup.proposal.result())
         bet, self._bet = self._bet, None
         if bet is None or k == 0:
             return None
@@ -237,7 +241,7 @@ class Speculator:
         if block is None:
             return None
         self.bets_won += 1
-        return replace(block, token_ids=block.token_ids[:k], dists=block.dists[:k])
+        return block.first(k)
 
 
 @dataclass(frozen=True)
@@ -252,12 +256,16 @@ class _WarmUp:
 
 
 @dataclass(frozen=True)
-class _Bet:
+class Bet:
     """A proposal made ahead of time after a prefix of `length` tokens ending in `tail`."""
 
     length: int
     tail: list[int]
     draft: Draft
+
+    @classmethod
+    def made_after(cls, prefix: list[int], draft: Draft) -> Bet:
+        return cls(len(prefix), prefix[-8:], draft)
 
     def block_after(self, committed_ids: list[int]) -> Draft | None:
         """What the bet proposes after committed_ids: its tokens past the committed ones, if every

@@ -85,7 +85,7 @@ class SpeculationPolicy:
         self.decode_steps = decode_steps  # plain steps a round without a draft takes after its verdict
         self.lookup = lookup or SuffixProposer().continuation  # what a suffix round would propose
         self.alpha = Rate(costs.prior_acceptance())  # the draft model's acceptance
-        self.head_alpha = Rate(costs.prior_head_acceptance())  # the head's
+        self.head_alpha = Rate(costs.prior_acceptance(DraftMethod.HEAD))  # the head's
         self.runs = costs.prior_runs()  # suffix decoding's
         self._hit = False  # the last lookup's first token was accepted
         self._lookup: list[int] = []
@@ -138,12 +138,8 @@ class SpeculationPolicy:
             self._time(rnd)
         if rnd.num_drafted and (rnd.draft.from_worker or rnd.draft.from_head):
             successes, trials = rnd.num_accepted, min(rnd.num_drafted, rnd.num_accepted + 1)
-            if rnd.draft.from_head:
-                self.head_alpha.add(successes, trials)
-                self.costs.observe_head_acceptance(successes, trials)
-            else:
-                self.alpha.add(successes, trials)
-                self.costs.observe_acceptance(successes, trials)
+            (self.head_alpha if rnd.draft.from_head else self.alpha).add(successes, trials)
+            self.costs.observe_acceptance(successes, trials, DraftMethod.HEAD if rnd.draft.from_head else DraftMethod.MODEL)
         if self._lookup:  # scored for free, whatever the round drafted
             seen = min(len(self._lookup), len(rnd.new_ids))
             matched = next((i for i in range(seen) if self._lookup[i] != rnd.new_ids[i]), seen)

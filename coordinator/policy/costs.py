@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from coordinator.policy.acceptance import OPTIMISTIC_ALPHA, Rate, Runs
 from coordinator.policy.gate import GATED, MethodGate
+from coordinator.request import DraftMethod
 
 if TYPE_CHECKING:
     from coordinator.loop import Round
@@ -119,8 +120,8 @@ class Costs:
         self.active = 0  # requests running now (the coordinator keeps it)
         self.gate = MethodGate(modes=GATED)
         # acceptance over every session here: where a new session starts from
-        self.acceptance = Rate(OPTIMISTIC_ALPHA, forget=0.98)  # the draft model's
-        self.head_acceptance = Rate(OPTIMISTIC_ALPHA, forget=0.98)  # the target's head's
+        # the draft model's and the target's head's (the methods whose acceptance is learnt as they draft)
+        self.acceptance = {m: Rate(OPTIMISTIC_ALPHA, forget=0.98) for m in (DraftMethod.MODEL, DraftMethod.HEAD)}
         self.head_ms_per_token = prior.head_ms_per_token
         self.runs = Runs(forget=0.98)
         self._lock = threading.Lock()
@@ -160,27 +161,18 @@ class Costs:
         """Sessions per pass to plan for."""
         return max(self.batch, self.active)
 
-    def observe_acceptance(self, successes: int, trials: int) -> None:
+    def observe_acceptance(self, successes: int, trials: int, method: DraftMethod = DraftMethod.MODEL) -> None:
         if trials:
             with self._lock:
-                self.acceptance.add(successes, trials)
-
-    def observe_head_acceptance(self, successes: int, trials: int) -> None:
-        if trials:
-            with self._lock:
-                self.head_acceptance.add(successes, trials)
+                self.acceptance[method].add(successes, trials)
 
     def observe_lookup(self, hit: bool, matched: int, seen: int) -> None:
         with self._lock:
             self.runs.add(hit, matched, seen)
 
-    def prior_acceptance(self) -> float:
+    def prior_acceptance(self, method: DraftMethod = DraftMethod.MODEL) -> float:
         with self._lock:
-            return self.acceptance.value
-
-    def prior_head_acceptance(self) -> float:
-        with self._lock:
-            return self.head_acceptance.value
+            return self.acceptance[method].value
 
     def head_ms(self, k: int) -> float:
         """What the head's proposal of k tokens adds to a call."""
@@ -233,19 +225,13 @@ class PriorCosts:
     def observe(self, rnd: Round) -> None:
         pass
 
-    def observe_acceptance(self, successes: int, trials: int) -> None:
-        pass
-
-    def observe_head_acceptance(self, successes: int, trials: int) -> None:
+    def observe_acceptance(self, successes: int, trials: int, method: DraftMethod = DraftMethod.MODEL) -> None:
         pass
 
     def observe_lookup(self, hit: bool, matched: int, seen: int) -> None:
         pass
 
-    def prior_acceptance(self) -> float:
-        return OPTIMISTIC_ALPHA
-
-    def prior_head_acceptance(self) -> float:
+    def prior_acceptance(self, method: DraftMethod = DraftMethod.MODEL) -> float:
         return OPTIMISTIC_ALPHA
 
     def head_ms(self, k: int) -> float:

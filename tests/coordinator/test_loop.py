@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from coordinator.loop import NO_DECODE, Draft, Speculator, Verdict, _Bet
+from coordinator.loop import NO_DECODE, Draft, Speculator, Verdict, Bet
 from coordinator.request import RequestContext
 from specdec_core.engine.sampling import SamplingConfig
 from specdec_core.errors import ResourceExhausted
@@ -181,7 +181,7 @@ def test_a_won_bet_is_the_next_block():
 
 
 def test_a_bet_applies_only_to_the_prefix_it_assumed():
-    bet = _Bet(3, [1, 2, 3], Draft([7, 8, 9]))
+    bet = Bet(3, [1, 2, 3], Draft([7, 8, 9]))
     assert bet.block_after([1, 2, 3]).token_ids == [7, 8, 9]
     assert bet.block_after([1, 2, 3, 7, 8]).token_ids == [9]
     assert bet.block_after([1, 2, 3, 7, 8, 9]) is None  # nothing left
