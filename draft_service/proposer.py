@@ -27,17 +27,7 @@ from specdec_core import metrics
 from specdec_core.engine.batching import AGAIN, BatchQueue
 from specdec_core.engine.grammar import Grammars, check_in
 from specdec_core.engine.kvcache import CachedSequence, SessionCaches
-from specdec_core.engine.sampling import (
-    Purpose,
-    SamplingConfig,
-    SparseDist,
-    adjust_logits,
-    keyed_uniform,
-    sample_index,
-    truncate_top,
-    validate_sampling,
-    warp,
-)
+from specdec_core.engine.sampling import SamplingConfig, SparseDist, adjust_logits, draw_draft, validate_sampling
 from specdec_core.errors import InvalidArgument, ResourceExhausted, SpecdecError
 from specdec_core.limits import check_token_ids
 from specdec_core.logs import short_id
@@ -170,9 +160,8 @@ class ModelProposer:
             token = int(logits.argmax())
             confidence = float(torch.softmax(logits.double(), -1)[token]) if task.min_confidence > 0 else 1.0
             return token, confidence, None
-        ids, probs = truncate_top(warp(logits[None], task.sampling)[0], self.sparse_top)
-        i = sample_index(torch.tensor(probs, dtype=torch.float64), keyed_uniform(task.seed, position, Purpose.DRAFT))
-        return int(ids[i]), max(probs), (ids, probs)
+        token, dist = draw_draft(logits, task.sampling, task.seed, position, self.sparse_top)
+        return token, max(dist[1]), dist
 
     def _validate(self, task: ProposeTask) -> None:
         if not task.session_id:

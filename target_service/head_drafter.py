@@ -27,16 +27,7 @@ import torch
 
 from specdec_core import metrics
 from specdec_core.engine.grammar import Grammars
-from specdec_core.engine.sampling import (
-    Purpose,
-    SamplingConfig,
-    SparseDist,
-    adjust_logits,
-    keyed_uniform,
-    sample_index,
-    truncate_top,
-    warp,
-)
+from specdec_core.engine.sampling import SamplingConfig, SparseDist, adjust_logits, draw_draft
 from specdec_core.errors import SpecdecError
 from target_service.head import Eagle3Head, HeadState
 
@@ -148,6 +139,4 @@ class HeadDrafter:
             return None, None
         if cfg.is_greedy:
             return int(full[0].argmax()), None
-        ids, probs = truncate_top(warp(full, cfg)[0], self.sparse_top)
-        i = sample_index(torch.tensor(probs, dtype=torch.float64), keyed_uniform(seed, position, Purpose.DRAFT))
-        return int(ids[i]), (ids, probs)
+        return draw_draft(full[0], cfg, seed, position, self.sparse_top)

@@ -226,6 +226,16 @@ def truncate_top(probs: torch.Tensor, max_tokens: int) -> tuple[list[int], list[
     return ids.tolist(), values.tolist()
 
 
+def draw_draft(logits: torch.Tensor, cfg: SamplingConfig, seed: int, position: int, top: int) -> tuple[int, SparseDist]:
+    """A sampled draft token at `position` (what a draft model or head sends): the distribution of
+    logits [V] (already penalised and biased) after temperature, top-k and top-p, truncated to its
+    `top` most likely tokens, and the token drawn from it with the draft's keyed draw. That sparse
+    distribution is the q sent with the token, which the accept rule verifies against."""
+    ids, probs = truncate_top(warp(logits[None], cfg)[0], top)
+    i = sample_index(torch.tensor(probs, dtype=torch.float64), keyed_uniform(seed, position, Purpose.DRAFT))
+    return int(ids[i]), (ids, probs)
+
+
 def dense_from_sparse(token_ids: list[int], probs: list[float], vocab_size: int) -> torch.Tensor:
     """The dense float64 distribution [V] a sparse one stands for (renormalised in float64)."""
     dense = torch.zeros(vocab_size, dtype=torch.float64)
