@@ -464,7 +464,7 @@ def load_head(ref: str, target, dtype: torch.dtype = torch.float32) -> Eagle3Hea
             raise HeadError(f"{folder}: {k} has shape {tuple(v.shape)}, the config says {tuple(own[k].shape)}")
     head.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()},
                          strict=False)
-    d2t = head.d2t
-    if int(d2t.min()) + 0 < -config.vocab_size or int((torch.arange(len(d2t)) + d2t).max()) >= config.vocab_size:
+    targets = head.to_target(torch.arange(config.draft_vocab_size))
+    if int(targets.min()) < 0 or int(targets.max()) >= config.vocab_size:
         raise HeadError(f"{folder}: d2t maps draft ids outside the target's vocabulary")
     return head.to(dtype).eval()

@@ -89,14 +89,15 @@ def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def make_data(a: argparse.Namespace, tokenizer, device: str, bar) -> list[list[int]]:
-    """Conversations (token ids), generating the ones OUT/data.jsonl does not hold yet: the target
-    answers greedily on the serving engine (BatchedBackend, the target worker's kernels), so the
-    head learns from the very tokens the service would produce."""
+def make_data(a: argparse.Namespace, tokenizer, device: str, bar) -> list[tuple[list[int], int]]:
+    """Conversations (token ids, where the answer starts), generating the ones OUT/data.jsonl does
+    not hold yet: the target answers greedily on the serving engine (BatchedBackend, the target
+    worker's kernels), so the head learns from the very tokens the service would produce."""
     from target_service.head_prompts import benchmark_exclusions, training_prompts
 
     path = a.out / "data.jsonl"
-    done = [json.loads(line)["ids"] for line in path.read_text().splitlines()] if path.exists() else []
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    done = [(line["ids"], line["prompt_tokens"]) for line in lines]
     if len(done) >= a.prompts:
         return done[:a.prompts]
     prompts = training_prompts(a.prompts, seed=a.seed, exclude=benchmark_exclusions())[len(done):]
@@ -105,9 +106,9 @@ def make_data(a: argparse.Namespace, tokenizer, device: str, bar) -> list[list[i
     started, tokens = time.monotonic(), 0
     with open(path, "a") as f:
         for prompt, answer in greedy_answers(a, queue, tokenizer.eos_token_id, device):
-            done.append(prompt + answer)
+            done.append((prompt + answer, len(prompt)))
             tokens += len(answer)
-            f.write(json.dumps({"ids": done[-1], "prompt_tokens": len(prompt)}) + "\n")
+            f.write(json.dumps({"ids": done[-1][0], "prompt_tokens": len(prompt)}) + "\n")
             f.flush()
             progress.update(1)
             progress.set_postfix_str(f"{tokens / (time.monotonic() - started):.0f} tok/s")
@@ -153,9 +154,10 @@ def greedy_answers(a: argparse.Namespace, queue: list[list[int]], eos: int, devi
             emitted += 1
 
 
-def split(data: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
-    train = [d for i, d in enumerate(data) if i % HELD_OUT_EVERY]
-    held_out = [d for i, d in enumerate(data) if not i % HELD_OUT_EVERY]
+def split(data: list[tuple[list[int], int]]) -> tuple[list[list[int]], list[tuple[list[int], int]]]:
+    """(the training conversations, the held-out ones with where their answers start)."""
+    train = [ids for i, (ids, _) in enumerate(data) if i % HELD_OUT_EVERY]
+    held_out = [item for i, item in enumerate(data) if not i % HELD_OUT_EVERY]
     return train, held_out
 
 
@@ -242,11 +244,8 @@ def train(a: argparse.Namespace) -> dict:
     random.seed(a.seed)
     bar = _bar(a.quiet)
     model, tokenizer = load_target(a.target, a.cache_dir, device)
-    data = make_data(a, tokenizer, device, bar)
-    starts = _answer_starts(a.out / "data.jsonl")
-    data = [ids[:a.max_length] for ids in data]
-    train_set, _ = split(data)
-    held_out = [(ids, starts[i]) for i, ids in enumerate(data) if not i % HELD_OUT_EVERY]
+    data = [(ids[:a.max_length], start) for ids, start in make_data(a, tokenizer, device, bar)]
+    train_set, held_out = split(data)
     config = model.config
     head_config = HeadConfig.for_target(config, a.draft_vocab, verifier=a.target)
     head = Eagle3Head(head_config, model.get_input_embeddings()).to(device)
@@ -293,7 +292,7 @@ def train(a: argparse.Namespace) -> dict:
         progress.set_postfix_str(f"loss {sum(window) / len(window):.3f} · {state['seen_tokens']:,} tokens")
         out_of_time = a.hours is not None and elapsed >= a.hours * 3600
         if out_of_time or state["step"] == total_steps or time.monotonic() - last_save >= a.checkpoint_minutes * 60:
-            metrics = _save(a, head, optimizer, schedule, state, elapsed, started, model, held_out, t2d, device, data)
+            metrics = _save(a, head, optimizer, schedule, state, elapsed, model, train_set, held_out, t2d, device)
             last_save = time.monotonic()
             progress.write(f"checkpoint at step {state['step']}: held-out acceptance length at K=4 "
                            f"{metrics['acceptance_length'][4]:.2f}, accuracy by step "
@@ -302,12 +301,11 @@ def train(a: argparse.Namespace) -> dict:
             break
     progress.close()
     if not metrics:  # resumed after the last step: export again
-        metrics = _save(a, head, optimizer, schedule, state, state["seconds"], time.monotonic(), model, held_out,
-                        t2d, device, data)
+        metrics = _save(a, head, optimizer, schedule, state, state["seconds"], model, train_set, held_out, t2d, device)
     return metrics
 
 
-def _save(a, head, optimizer, schedule, state, elapsed, started, model, held_out, t2d, device, data) -> dict:
+def _save(a, head, optimizer, schedule, state, elapsed, model, train_set, held_out, t2d, device) -> dict:
     state = {**state, "seconds": elapsed}
     tmp = a.out / "checkpoint.pt.tmp"
     torch.save({"head": {k: v for k, v in head.state_dict().items() if not k.startswith("embed_tokens.")},
@@ -316,8 +314,8 @@ def _save(a, head, optimizer, schedule, state, elapsed, started, model, held_out
     save_head(head, a.out / "head", proposal_tokens=a.ttt_steps, dtype=torch.float16)
     metrics = evaluate(head, model, held_out, t2d, a, device)
     metrics.update({"target": a.target, "optimizer_steps": state["step"], "tokens_seen": state["seen_tokens"],
-                    "training_hours": elapsed / 3600, "conversations": len(data),
-                    "train_tokens": sum(len(d) for i, d in enumerate(data) if i % HELD_OUT_EVERY),
+                    "training_hours": elapsed / 3600, "conversations": len(train_set) + len(held_out),
+                    "train_tokens": sum(map(len, train_set)),
                     "draft_vocab": head.config.draft_vocab_size, "ttt_steps": a.ttt_steps,
                     "device": "cuda" if device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"})
     (a.out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
@@ -344,10 +342,6 @@ def _order(n: int, count: int, seed: int) -> list[int]:
         rng.shuffle(epoch)
         order += epoch
     return order[:count]
-
-
-def _answer_starts(path: Path) -> list[int]:
-    return [json.loads(line).get("prompt_tokens", 0) for line in path.read_text().splitlines()]
 
 
 def _bar(quiet: bool):
