@@ -21,7 +21,7 @@ one Verify call (the proposal travels back with the verdict).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,11 +35,49 @@ from target_service.head import Eagle3Head, HeadState
 MAX_PENDING = 4096  # target features a session keeps for its head before it asks for a proposal (7 KB each here)
 
 
+class Rows:
+    """Feature rows waiting for the head, kept as the passes' chunks: a round appends its rows and
+    nothing is copied until the head takes them (one concatenation, then)."""
+
+    def __init__(self):
+        self.chunks: list[torch.Tensor] = []
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def append(self, rows: torch.Tensor) -> None:
+        if len(rows):
+            self.chunks.append(rows)
+            self.count += len(rows)
+
+    def keep_first(self, n: int) -> None:
+        while self.count > n:
+            last = self.chunks.pop()
+            self.count -= len(last)
+            if self.count < n:
+                self.append(last[:n - self.count])
+
+    def drop_first(self, n: int) -> None:
+        while n > 0 and self.chunks:
+            first = self.chunks.pop(0)
+            self.count -= len(first)
+            if len(first) > n:
+                self.chunks.insert(0, first[n:])
+                self.count += len(first) - n
+            n -= len(first)
+
+    def first(self, n: int) -> torch.Tensor:
+        whole = torch.cat(self.chunks) if len(self.chunks) > 1 else self.chunks[0]
+        self.chunks = [whole]
+        return whole[:n]
+
+
 @dataclass
 class HeadSession:
     state: HeadState
     tokens: list[int]  # x_{i+1} of each committed pair, in order (pair j is i = state.offset + j)
-    pending: torch.Tensor | None = None  # g rows of the positions after the pairs, not absorbed yet
+    pending: Rows = field(default_factory=Rows)  # g rows of the positions after the pairs, not absorbed yet
 
 
 class HeadDrafter:
@@ -68,33 +106,35 @@ class HeadDrafter:
         keep, limit = 0, min(state.committed, fed_start - state.offset)
         while keep < limit and session.tokens[keep] == known_ids[state.offset + keep + 1]:
             keep += 1
+        pending = session.pending
         if keep < state.committed:
             self.head.rollback(state, keep)
             del session.tokens[keep:]
-            session.pending = None
+            pending.keep_first(0)
         covered = state.offset + state.committed
-        waiting = 0 if session.pending is None else min(len(session.pending), max(0, fed_start - covered))
-        if covered + waiting < fed_start:  # a gap (positions the target did not compute here): start after it
+        pending.keep_first(max(0, fed_start - covered))  # rows of positions the cache still holds
+        if covered + len(pending) < fed_start:  # a gap (positions the target did not compute here): start after it
             self._restart(session, fed_start)
-            covered, waiting = fed_start, 0
-        rows = aux[:max(0, len(seq.token_ids) - fed_start)]
-        pending = rows if not waiting else torch.cat([session.pending[:waiting], rows])
+            covered = fed_start
+        pending.append(aux[:max(0, len(seq.token_ids) - fed_start)])
         if len(pending) > MAX_PENDING:  # the oldest go: the head starts after them
-            self._restart(session, covered + len(pending) - MAX_PENDING)
-            covered, pending = state.offset, pending[-MAX_PENDING:]
-        session.pending = pending
+            drop = len(pending) - MAX_PENDING
+            pending.drop_first(drop)
+            self._restart(session, covered + drop, keep_pending=True)
+            covered = state.offset
         if now:
             n = min(len(pending), len(known_ids) - 1 - covered)  # pairs whose next token is known
             if n > 0:
-                self.head.extend(state, pending[:n], torch.tensor(known_ids[covered + 1:covered + 1 + n]))
+                self.head.extend(state, pending.first(n), torch.tensor(known_ids[covered + 1:covered + 1 + n]))
                 session.tokens.extend(known_ids[covered + 1:covered + 1 + n])
-                session.pending = pending[n:]
+                pending.drop_first(n)
         metrics.HEAD_SECONDS.labels("absorb").inc(time.perf_counter() - started)
 
-    def _restart(self, session: HeadSession, offset: int) -> None:
+    def _restart(self, session: HeadSession, offset: int, keep_pending: bool = False) -> None:
         self.head.rollback(session.state, 0)
         session.tokens.clear()
-        session.pending = None
+        if not keep_pending:
+            session.pending.keep_first(0)
         session.state.offset = offset
 
     def propose(self, seq, committed_ids: list[int], k: int, sampling: SamplingConfig, seed: int

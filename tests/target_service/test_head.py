@@ -143,3 +143,32 @@ def test_the_worker_proposes_what_the_head_computes_from_the_whole_sequence(targ
                     h, logits = head.step(fresh, h, torch.tensor(want[-1]))
             assert r.head_ids == want, (sid, r.head_ids, want)
             drafts[sid] = r.head_ids if sid == "a" else r.head_ids[:1] + [0]  # b: a rejection every round
+
+
+def test_waiting_feature_rows_behave_as_one_tensor():
+    """The head's waiting features (kept as the passes' chunks) against a plain tensor under random
+    appends, cuts from either end and reads."""
+    import random
+
+    from target_service.head_drafter import Rows
+
+    rng, rows, plain = random.Random(0), Rows(), torch.zeros(0, 2)
+    for _ in range(2000):
+        op = rng.choice("akdf")
+        if op == "a":
+            t = torch.randn(rng.randint(0, 5), 2)
+            rows.append(t)
+            plain = torch.cat([plain, t])
+        elif op == "k":
+            n = rng.randint(0, len(plain) + 2)
+            rows.keep_first(n)
+            plain = plain[:n]
+        elif op == "d":
+            n = rng.randint(0, len(plain) + 2)
+            rows.drop_first(n)
+            plain = plain[n:]
+        elif len(plain):
+            n = rng.randint(1, len(plain))
+            assert torch.equal(rows.first(n), plain[:n])
+        assert len(rows) == len(plain)
+        assert torch.equal(torch.cat(rows.chunks) if rows.chunks else torch.zeros(0, 2), plain)
